@@ -1,0 +1,45 @@
+"""Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from forktools import ForkError, pq
+from forktools.backend import REPO, build_patched_tree
+from forktools.upstream import make_workdir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m forktools", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    pq_parser = commands.add_parser("pq", help="the patch queue: a git repository of the patched upstream tree")
+    pq_commands = pq_parser.add_subparsers(dest="action", required=True)
+    imp = pq_commands.add_parser("import", help="create the queue: pristine sdist + one commit per patch")
+    imp.add_argument("--force", action="store_true", help="replace an existing queue (its changes are lost)")
+    imp.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    exp = pq_commands.add_parser("export", help="write the queue's commits back into patches/ and patches/series")
+    for sub in (imp, exp):
+        sub.add_argument("--dir", type=Path, default=REPO / pq.DEFAULT_QUEUE_DIR, help="the queue's directory")
+    tree = commands.add_parser("tree", help="print the path of a patched upstream tree (no git), for inspection")
+    tree.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "pq" and args.action == "import":
+            queue = pq.import_queue(REPO, args.dir, sdist=args.sdist, force=args.force)
+            print(f"patch queue ready at {queue} (base tag '{pq.BASE_TAG}'); edit there, then: "
+                  "python -m forktools pq export")
+        elif args.command == "pq" and args.action == "export":
+            changed = pq.export_queue(REPO, args.dir)
+            print("\n".join(f"updated patches/{name}" for name in changed) or "patches/ is up to date")
+        elif args.command == "tree":
+            path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
+            print(path)
+    except ForkError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The patch series: reading ``patches/series`` and the patch headers, and applying it to a tree."""
+
+import email
+import email.policy
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forktools import ForkError
+
+PATCH_DIR = "patches"
+SERIES_FILE = "series"
+# DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
+DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
+@dataclass
+class Patch:
+    path: Path
+    subject: str
+    author: str
+    message: str
+    dep3: dict = field(default_factory=dict)
+
+    @property
+    def name(self):
+        return self.path.name
+
+    def summary(self):
+        """What an installed build reports about this patch."""
+        return {
+            "name": self.name,
+            "subject": self.subject,
+            "forwarded": self.dep3.get("Forwarded", "no"),
+            "applied_upstream": self.dep3.get("Applied-Upstream", "no"),
+        }
+
+
+def series_names(repo):
+    """Patch file names in series order (blank lines and ``#`` comments skipped)."""
+    series = Path(repo) / PATCH_DIR / SERIES_FILE
+    if not series.is_file():
+        raise ForkError(f"{series}: the patch series file is missing")
+    names = []
+    for line in series.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def parse_patch(path):
+    """Read a ``git format-patch`` file: subject, author, commit message and DEP-3 fields."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    msg = email.message_from_string(text, policy=email.policy.default)
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", str(msg.get("Subject", ""))).strip()
+    if not subject or msg.get("From") is None:
+        raise ForkError(f"{path}: not a git format-patch file (no From:/Subject: header)")
+    body = msg.get_payload()
+    message = body.split("\n---\n", 1)[0].strip("\n")
+    dep3 = {}
+    for line in message.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in DEP3_FIELDS:
+            dep3[key] = value.strip()
+    return Patch(path=path, subject=subject, author=str(msg["From"]), message=message, dep3=dep3)
+
+
+def read_series(repo):
+    """The series as parsed patches, checking that every listed file exists."""
+    patch_dir = Path(repo) / PATCH_DIR
+    patches = []
+    for name in series_names(repo):
+        path = patch_dir / name
+        if not path.is_file():
+            raise ForkError(f"{patch_dir / SERIES_FILE} lists {name}, but {path} does not exist")
+        patches.append(parse_patch(path))
+    return patches
+
+
+def series_digest(repo, patches):
+    """A short digest of the series file and every patch in it, for the version's local label."""
+    digest = hashlib.sha256((Path(repo) / PATCH_DIR / SERIES_FILE).read_bytes())
+    for patch in patches:
+        digest.update(patch.path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def local_version_label(repo, patches):
+    """``fork.<number of patches>.<series digest>``: PEP 440 local label, so ``==0.19.8`` still matches."""
+    return f"fork.{len(patches)}.{series_digest(repo, patches)}"
+
+
+def hunks(patch_path):
+    """Yield (target file, hunk number within that file, patch line number, hunk text) for every hunk."""
+    lines = Path(patch_path).read_text(encoding="utf-8").splitlines()
+    target, number, i = None, 0, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("diff --git "):
+            target, number = line.split(" b/", 1)[-1], 0
+        match = _HUNK_RE.match(line)
+        if not match:
+            i += 1
+            continue
+        # The header's line counts say where the hunk ends (a body line may itself look like "-- ").
+        old_left, new_left = int(match.group(2) or 1), int(match.group(3) or 1)
+        number, start, end = number + 1, i + 1, i + 1
+        while end < len(lines) and (old_left > 0 or new_left > 0 or lines[end].startswith("\\")):
+            tag = lines[end][:1]
+            old_left -= tag in (" ", "-", "")
+            new_left -= tag in (" ", "+", "")
+            end += 1
+        yield target, number, start, "\n".join(lines[i:end])
+        i = end
+
+
+def _failed_hunk(patch_path, target, old_start):
+    for hunk_target, number, start, text in hunks(patch_path):
+        match = _HUNK_RE.match(text)
+        if hunk_target == target and match and int(match.group(1)) == old_start:
+            return number, start, text
+    return None
+
+
+def _git():
+    git = shutil.which("git")
+    if git is None:
+        raise ForkError("git is needed to apply the patch series, and it is not on PATH")
+    return git
+
+
+def apply_patch(tree, patch):
+    """Apply one patch to an unpacked tree, all or nothing, or explain which hunk of which file failed."""
+    tree = Path(tree).resolve()
+    # Never let git discover a repository above the tree: it would apply paths relative to that
+    # repository's top and silently skip files outside the tree.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
+    proc = subprocess.run([_git(), "apply", "--whitespace=nowarn", str(patch.path)],
+                          cwd=tree,
+                          env=env,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode == 0:
+        return
+    details = []
+    for line in proc.stdout.splitlines():
+        failed = re.match(r"error: patch failed: (.+):(\d+)$", line)
+        missing = re.match(r"error: (.+): (No such file or directory|does not exist in index)$", line)
+        if failed:
+            target = failed.group(1)
+            details.append(f"  target file: {target}")
+            hunk = _failed_hunk(patch.path, target, int(failed.group(2)))
+            if hunk:
+                number, start, text = hunk
+                details.append(f"  failing hunk: #{number} in {target} (line {start} of the patch):")
+                details.extend("    " + hunk_line for hunk_line in text.splitlines())
+        elif missing:
+            details.append(f"  target file: {missing.group(1)} (missing from the upstream tree)")
+    if not details:
+        details = ["  " + line for line in proc.stdout.strip().splitlines()]
+    raise ForkError(f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
+                    f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
+
+
+def apply_series(tree, patches):
+    for patch in patches:
+        apply_patch(tree, patch)

@@ -1,0 +1,126 @@
+"""The pinned upstream release: reading the pin, fetching and verifying its sdist, unpacking it."""
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forktools import ForkError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+PIN_FILE = "upstream.toml"
+# Set to the path of a local copy of the pinned sdist to build without asking an index.
+SDIST_ENV = "DS_FORK_SDIST"
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    version: str
+    sha256: str
+
+    @property
+    def sdist_name(self):
+        return f"{self.name}-{self.version}.tar.gz"
+
+    @property
+    def requirement(self):
+        return f"{self.name}=={self.version}"
+
+
+def read_pin(repo):
+    path = Path(repo) / PIN_FILE
+    try:
+        table = tomllib.loads(path.read_text())["upstream"]
+        pin = Pin(name=table["name"], version=table["version"], sha256=table["sha256"].lower())
+    except FileNotFoundError:
+        raise ForkError(f"{path}: the upstream pin file is missing")
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ForkError(f"{path}: expected an [upstream] table with name, version and sha256 ({err!r})")
+    if len(pin.sha256) != 64 or any(c not in "0123456789abcdef" for c in pin.sha256):
+        raise ForkError(f"{path}: sha256 {pin.sha256!r} is not a 64-digit hex sha256")
+    return pin
+
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sdist(pin, path):
+    """Refuse any file but the pinned one, naming both hashes."""
+    actual = sha256_of(path)
+    if actual != pin.sha256:
+        raise ForkError(f"sha256 mismatch for {path}:\n"
+                        f"  expected {pin.sha256} (pinned in {PIN_FILE})\n"
+                        f"  got      {actual}\n"
+                        f"Refusing to build from an upstream source that is not the pinned {pin.sdist_name}.")
+    return path
+
+
+def fetch_sdist(pin, dest, explicit=None):
+    """Return the verified path of the pinned sdist, downloading it into ``dest`` if needed.
+
+    ``explicit`` (or the DS_FORK_SDIST environment variable) names a local copy. Otherwise pip
+    downloads it, so that pip's own index settings (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX,
+    pip.conf) apply to mirrors and offline installs exactly as they do for any other package.
+    """
+    explicit = explicit or os.environ.get(SDIST_ENV)
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ForkError(f"upstream sdist {path} (given by {SDIST_ENV} or the sdist config setting) does not exist")
+        return verify_sdist(pin, path)
+
+    dest = Path(dest)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check"]
+    if importlib.util.find_spec("setuptools") is not None:
+        # pip prepares the sdist's metadata with the setuptools we already run under instead of
+        # installing a second build environment (which needs the index again and fails offline).
+        cmd.append("--no-build-isolation")
+    cmd += ["-d", str(dest), pin.requirement]
+    # When this runs inside pip's hook runner, its variables name *our* backend; the nested pip
+    # would hand them on to the upstream sdist's setuptools backend and refuse to run it.
+    env = {
+        key: value
+        for key, value in os.environ.items() if not key.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))
+    }
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path = dest / pin.sdist_name
+    if proc.returncode != 0 or not path.is_file():
+        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        raise ForkError(f"could not fetch the upstream sdist {pin.sdist_name} ({pin.requirement}) with pip:\n"
+                        f"  {' '.join(cmd)}\n{tail}\n"
+                        f"Check pip's index settings, or point {SDIST_ENV} at a local copy of {pin.sdist_name}.")
+    return verify_sdist(pin, path)
+
+
+def unpack_sdist(pin, sdist, dest):
+    """Unpack the sdist into ``dest`` and return its top-level source directory."""
+    dest = Path(dest)
+    try:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, OSError) as err:
+        raise ForkError(f"{sdist}: cannot unpack the upstream sdist ({err})")
+    tree = dest / f"{pin.name}-{pin.version}"
+    if not (tree / "setup.py").is_file():
+        raise ForkError(f"{sdist}: expected {tree.name}/setup.py inside the upstream sdist")
+    return tree
+
+
+def make_workdir(prefix):
+    """A fresh temporary directory outside any git work tree (git apply must not find one)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,71 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Fixtures for the tests of the fork's own tooling (forktools): these never go upstream."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from forktools.backend import SDIST_CONTENTS  # noqa: E402
+from forktools.upstream import fetch_sdist, read_pin  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def upstream_sdist(tmp_path_factory):
+    """The pinned upstream sdist under its own name, fetched once per session (or copied from DS_FORK_SDIST)."""
+    pin = read_pin(REPO)
+    folder = tmp_path_factory.mktemp("upstream-sdist")
+    sdist = fetch_sdist(pin, folder)
+    if sdist.parent != folder:
+        sdist = Path(shutil.copyfile(sdist, folder / pin.sdist_name))
+    return sdist
+
+
+def copy_repo(dest):
+    """The files that define the fork (what its sdist holds), copied so that tests may break them."""
+    dest.mkdir(parents=True)
+    for name in SDIST_CONTENTS:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    return copy_repo(tmp_path / "repo")
+
+
+def pip_wheel(repo, outdir, sdist=None, env=None):
+    """``pip wheel`` the fork at ``repo``; returns the finished process (stdout and stderr together)."""
+    env = dict(os.environ if env is None else env)
+    env.pop("DS_FORK_SDIST", None)
+    if sdist is not None:
+        env["DS_FORK_SDIST"] = str(sdist)
+    # --no-build-isolation: the test environment already has the build requirements, and a
+    # fresh isolated environment per build would only add time (the README's `pip install .`
+    # exercises isolation).
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(outdir), str(repo)]
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def tree_files(root):
+    """Relative path -> bytes of every file below root, to check that a build wrote nothing there.
+
+    Byte-code caches are left out: importing the backend writes them, and they are no build output.
+    """
+    return {
+        p.relative_to(root): p.read_bytes()
+        for p in sorted(Path(root).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+    }

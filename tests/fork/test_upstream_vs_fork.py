@@ -1,0 +1,66 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The issue's ZeRO-3 reproducer, run on the fork's build and on the pinned upstream built with an empty series."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import pip_wheel
+
+REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory, upstream_sdist):
+    """site directory per build: 'fork' (the series) and 'upstream' (the same backend, empty series)."""
+    from conftest import copy_repo
+    sites = {}
+    for name in ("fork", "upstream"):
+        root = tmp_path_factory.mktemp(name)
+        repo = copy_repo(root / "repo")
+        if name == "upstream":
+            (repo / "patches" / "series").write_text("")
+        proc = pip_wheel(repo, root / "wheel", sdist=upstream_sdist)
+        assert proc.returncode == 0, proc.stdout
+        (wheel, ) = (root / "wheel").glob("*.whl")
+        site = root / "site"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(site), str(wheel)],
+                       check=True)
+        sites[name] = site
+    return sites
+
+
+def run_reproducer(site, world_size):
+    # DeepSpeed JIT-builds its CPU shared-memory comm op on first use; a build directory per
+    # site keeps the two builds from invalidating each other's op (the include paths differ).
+    env = dict(os.environ,
+               PYTHONPATH=str(site),
+               LOCAL_SIZE=str(world_size),
+               TORCH_EXTENSIONS_DIR=str(site.parent / "torch_extensions"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+        str(REPRODUCER)
+    ]
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fork_trains(builds, world_size):
+    proc = run_reproducer(builds["fork"], world_size)
+    assert proc.returncode == 0, proc.stdout
+    assert "OK deepspeed 0.19.8+fork." in proc.stdout
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_pinned_upstream_fails_at_the_gather_assert(builds, world_size):
+    proc = run_reproducer(builds["upstream"], world_size)
+    assert proc.returncode != 0, proc.stdout
+    assert "AssertionError" in proc.stdout and "'status': 'NOT_AVAILABLE'" in proc.stdout, proc.stdout
+    assert "'numel': 0" in proc.stdout

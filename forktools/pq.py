@@ -84,7 +84,8 @@ def import_queue(repo, queue, sdist=None, force=False):
         # and every import of the same series yields the same commit ids.
         name, address = email.utils.parseaddr(patch.author)
         am_env = dict(env, GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address)
-        proc = _run(["am", "-q", "--no-3way", "--committer-date-is-author-date", str(patch.path.resolve())],
+        proc = _run(["am", "-q", "--no-3way", "--committer-date-is-author-date",
+                     str(patch.path.resolve())],
                     queue,
                     am_env,
                     check=False)

@@ -143,12 +143,13 @@ def apply_patch(tree, patch):
     # Never let git discover a repository above the tree: it would apply paths relative to that
     # repository's top and silently skip files outside the tree.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    proc = subprocess.run([_git(), "apply", "--whitespace=nowarn", str(patch.path)],
-                          cwd=tree,
-                          env=env,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
+    proc = subprocess.run(
+        [_git(), "apply", "--whitespace=nowarn", str(patch.path)],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True)
     if proc.returncode == 0:
         return
     details = []
@@ -167,8 +168,9 @@ def apply_patch(tree, patch):
             details.append(f"  target file: {missing.group(1)} (missing from the upstream tree)")
     if not details:
         details = ["  " + line for line in proc.stdout.strip().splitlines()]
-    raise ForkError(f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
-                    f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
+    raise ForkError(
+        f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
+        f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
 
 
 def apply_series(tree, patches):

@@ -93,10 +93,7 @@ def fetch_sdist(pin, dest, explicit=None):
     cmd += ["-d", str(dest), pin.requirement]
     # When this runs inside pip's hook runner, its variables name *our* backend; the nested pip
     # would hand them on to the upstream sdist's setuptools backend and refuse to run it.
-    env = {
-        key: value
-        for key, value in os.environ.items() if not key.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))
-    }
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     path = dest / pin.sdist_name
     if proc.returncode != 0 or not path.is_file():

@@ -22,7 +22,10 @@ def forktools(repo, *args):
 
 
 def git(queue, *args):
-    proc = subprocess.run(["git", "-C", str(queue), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(["git", "-C", str(queue), *args],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
 
@@ -43,7 +46,10 @@ def test_import_makes_one_commit_per_patch_on_the_pristine_base(repo_copy, upstr
     pristine.mkdir()
     subprocess.run(["tar", "xzf", str(upstream_sdist), "-C", str(pristine)], check=True)
     git(queue, "checkout", "-q", "upstream")
-    assert {k: v for k, v in tree_files(queue).items() if k.parts[0] != ".git"} == tree_files(pristine / "deepspeed-0.19.8")
+    assert {
+        k: v
+        for k, v in tree_files(queue).items() if k.parts[0] != ".git"
+    } == tree_files(pristine / "deepspeed-0.19.8")
 
 
 def test_export_of_untouched_queue_changes_no_file(repo_copy, upstream_sdist, tmp_path):
@@ -60,8 +66,9 @@ def test_export_writes_back_an_edited_patch_only(repo_copy, upstream_sdist, tmp_
     first = series_names(repo_copy)[0]
     queue = import_queue(repo_copy, upstream_sdist, tmp_path / "queue")
     # Amend the first commit's message, as a maintainer rewording a patch would.
-    git(queue, "-c", "user.name=Test Maintainer", "-c", "user.email=test@example.invalid", "-c", "sequence.editor=sed -i 1s/^pick/reword/", "-c", "core.editor=sed -i 's/^Root cause:/Cause:/'",
-        "rebase", "-q", "-i", "--committer-date-is-author-date", "upstream")
+    git(queue, "-c", "user.name=Test Maintainer", "-c", "user.email=test@example.invalid", "-c",
+        "sequence.editor=sed -i 1s/^pick/reword/", "-c", "core.editor=sed -i 's/^Root cause:/Cause:/'", "rebase", "-q",
+        "-i", "--committer-date-is-author-date", "upstream")
     proc = forktools(repo_copy, "pq", "export", "--dir", str(queue))
     assert proc.returncode == 0, proc.stdout
     after = tree_files(repo_copy / "patches")

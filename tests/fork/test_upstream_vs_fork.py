@@ -30,9 +30,9 @@ def builds(tmp_path_factory, upstream_sdist):
         assert proc.returncode == 0, proc.stdout
         (wheel, ) = (root / "wheel").glob("*.whl")
         site = root / "site"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                        str(site), str(wheel)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+             str(site), str(wheel)], check=True)
         sites[name] = site
     return sites
 

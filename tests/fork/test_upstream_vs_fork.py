@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import pip_wheel
+from unit.common import get_master_port, remove_shm_segments
 
 REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
 
@@ -38,6 +39,7 @@ def builds(tmp_path_factory, upstream_sdist):
 
 
 def run_reproducer(site, world_size):
+    port = get_master_port()
     # DeepSpeed JIT-builds its CPU shared-memory comm op on first use; a build directory per
     # site keeps the two builds from invalidating each other's op (the include paths differ).
     env = dict(os.environ,
@@ -45,10 +47,14 @@ def run_reproducer(site, world_size):
                LOCAL_SIZE=str(world_size),
                TORCH_EXTENSIONS_DIR=str(site.parent / "torch_extensions"))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
+        "--master_addr=127.0.0.1", f"--master_port={port}",
         str(REPRODUCER)
     ]
-    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    try:
+        return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    finally:
+        remove_shm_segments(port)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -8,7 +8,9 @@ Models declare parameters with no elements: a classification head with zero labe
 quantization placeholder (``nn.Parameter(torch.zeros(0))``), an adapter at rank 0. Under ZeRO-3
 the fetch of a submodule whose pending parameters are all empty used to be skipped (its gate was
 the number of elements to gather), and the forward failed with
-``AssertionError: {... 'status': 'NOT_AVAILABLE', 'numel': 0 ...}``.
+``AssertionError: {... 'status': 'NOT_AVAILABLE', 'numel': 0 ...}``; at world size 2, a gather of
+an empty parameter next to others failed with ``torch.cat(): expected a non-empty list of Tensors``.
+Zero-element parameters also cost no collective: they are materialized locally instead.
 """
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import deepspeed
+import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -192,20 +195,6 @@ def train_and_check(model_name, stage, dtype):
             assert tuple(param.shape) == shapes[name], name
 
 
-# The shapes that, on top of the gate fix alone, still fail at world size 2: a coalesced
-# all-gather of several parameters one of which is empty reassembles it with
-# torch.cat() of an empty list of rank slices.
-COALESCED_EMPTY = pytest.mark.xfail(strict=True,
-                                    reason="coalesced all-gather cannot reassemble a zero-element parameter "
-                                    "next to others (torch.cat of an empty list)")
-
-
-def stage3_param(model_name, world_size):
-    if world_size > 1 and model_name in ("sized_and_empty", "empty_submodule", "quant_placeholders"):
-        return pytest.param(model_name, marks=COALESCED_EMPTY)
-    return model_name
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -232,7 +221,7 @@ class TestZeroEmptyParamsStage3WorldSize1(DistributedTest):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("model_name", [stage3_param(name, 2) for name in MODELS])
+@pytest.mark.parametrize("model_name", list(MODELS))
 class TestZeroEmptyParamsStage3WorldSize2(DistributedTest):
     world_size = 2
     reuse_dist_env = True
@@ -241,3 +230,53 @@ class TestZeroEmptyParamsStage3WorldSize2(DistributedTest):
         if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
             pytest.skip("bf16 is not supported on this accelerator")
         train_and_check(model_name, 3, dtype)
+
+
+class EmptySubmodulesModel(nn.Module):
+    """Two sized layers, then ``num_empty`` zero-element ``Linear(h, 0)`` submodules (adapters at rank 0)."""
+
+    def __init__(self, num_empty, hidden=HIDDEN):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden, hidden) for _ in range(2)])
+        self.empties = nn.ModuleList([nn.Linear(hidden, 0, bias=False) for _ in range(num_empty)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        for empty in self.empties:
+            x = x + empty(x).sum()
+        return x.square().mean()
+
+
+def collectives_per_step(num_empty):
+    """Collectives issued by one training step (after a warm-up step), by operation name."""
+    torch.manual_seed(42)
+    model = EmptySubmodulesModel(num_empty)
+    config = zero_config(3, torch.float32)
+    config["comms_logger"] = {"enabled": True, "prof_all": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = batches()[0].to(engine.device)
+    for step in range(2):
+        if step == 1:
+            dist.reset_log()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+    counts = {
+        name: sum(entry[0] for entry in by_size.values())
+        for name, by_size in dist.comms_logger.comms_dict.items()
+    }
+    dist.configure(enabled=False)
+    dist.reset_log()
+    return counts
+
+
+class TestZeroEmptyParamsCostNoCollectives(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test(self):
+        without = collectives_per_step(num_empty=0)
+        with_empty = collectives_per_step(num_empty=4)
+        assert without.get("all_gather_into_tensor", 0) > 0, without
+        assert with_empty == without

@@ -196,9 +196,9 @@ def train_and_check(model_name, stage, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model_name", list(MODELS))
-class TestZeroEmptyParamsStage12(DistributedTest):
+class TestZeroEmptyParams(DistributedTest):
     world_size = [1, 2]
     reuse_dist_env = True
 
@@ -206,30 +206,6 @@ class TestZeroEmptyParamsStage12(DistributedTest):
         if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
             pytest.skip("bf16 is not supported on this accelerator")
         train_and_check(model_name, stage, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("model_name", list(MODELS))
-class TestZeroEmptyParamsStage3WorldSize1(DistributedTest):
-    world_size = 1
-    reuse_dist_env = True
-
-    def test(self, model_name, dtype):
-        if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
-            pytest.skip("bf16 is not supported on this accelerator")
-        train_and_check(model_name, 3, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("model_name", list(MODELS))
-class TestZeroEmptyParamsStage3WorldSize2(DistributedTest):
-    world_size = 2
-    reuse_dist_env = True
-
-    def test(self, model_name, dtype):
-        if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
-            pytest.skip("bf16 is not supported on this accelerator")
-        train_and_check(model_name, 3, dtype)
 
 
 class EmptySubmodulesModel(nn.Module):

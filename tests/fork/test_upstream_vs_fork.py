@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pip_wheel
+from conftest import copy_repo, pip_wheel
 from unit.common import get_master_port, remove_shm_segments
 
 REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
@@ -20,7 +20,6 @@ REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory, upstream_sdist):
     """site directory per build: 'fork' (the series) and 'upstream' (the same backend, empty series)."""
-    from conftest import copy_repo
     sites = {}
     for name in ("fork", "upstream"):
         root = tmp_path_factory.mktemp(name)

@@ -9,7 +9,8 @@ One run measures, at world size 2 (gloo on CPU unless an accelerator is present)
 * a ZeRO-3 model of sized layers plus K submodules whose parameters all have zero elements
   (``Linear(h, 0)``, as an adapter at rank 0), for K = 0, 16, 256, on the fork and on upstream
   0.19.8 with only the gather-gate fix (patch 0001): all-gathers, reduce-scatters and all-reduces
-  per training step, and the median step time;
+  per training step, and the median step time; and, as a control, the fork with K submodules
+  that have no parameters at all (what ZeRO-3's per-module hooks cost on any model);
 * the step-time ratio fork / unpatched upstream on the same model without empty parameters
   (K = 0), alternating the two several times.
 
@@ -24,6 +25,7 @@ Needs torch and the fork's test requirements; set DS_FORK_SDIST to use a local c
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -60,13 +62,15 @@ def prepare_trees(workdir):
     }
     trees = {}
     for variant, variant_patches in variants.items():
+        # Always from the pristine sdist: a tree left by an earlier run may hold an older series.
+        shutil.rmtree(workdir / variant, ignore_errors=True)
         tree = unpack_sdist(pin, sdist, workdir / variant)
         apply_series(tree, variant_patches)
         trees[variant] = tree
     return trees
 
 
-def run_variant(tree, num_empty, steps, ext_dir):
+def run_variant(tree, num_empty, steps, ext_dir, parameterless=False):
     """Run the worker on 2 ranks against ``tree``; return rank 0's measurement."""
     env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext_dir))
     cmd = [
@@ -74,7 +78,7 @@ def run_variant(tree, num_empty, steps, ext_dir):
         str(free_port()), __file__, "--worker", "--num-empty",
         str(num_empty), "--steps",
         str(steps)
-    ]
+    ] + (["--parameterless"] if parameterless else [])
     proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -83,18 +87,25 @@ def run_variant(tree, num_empty, steps, ext_dir):
     return {"error": tail}
 
 
-def worker(num_empty, steps):
+def worker(num_empty, steps, parameterless):
     import torch
     import torch.nn as nn
     import deepspeed
     import deepspeed.comm as dist
+
+    class NoParameters(nn.Module):
+        """The control: a submodule with no parameters at all, computing the same empty output."""
+
+        def forward(self, x):
+            return x[..., :0]
 
     class Model(nn.Module):
 
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(SIZED_LAYERS)])
-            self.empties = nn.ModuleList([nn.Linear(HIDDEN, 0, bias=False) for _ in range(num_empty)])
+            empty_cls = NoParameters if parameterless else lambda: nn.Linear(HIDDEN, 0, bias=False)
+            self.empties = nn.ModuleList([empty_cls() for _ in range(num_empty)])
 
         def forward(self, x):
             for layer in self.layers:
@@ -164,11 +175,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="alternating fork/upstream runs for the ratio")
     parser.add_argument("--num-empty", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parameterless", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-zero-empty-params"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.num_empty, args.steps)
+        worker(args.num_empty, args.steps, args.parameterless)
         return
 
     workdir = Path(args.work_dir)
@@ -180,16 +192,24 @@ def main():
     print("| K empty submodules | variant | all-gathers/step | reduce-scatters/step | all-reduces/step | step ms |")
     print("|---|---|---|---|---|---|")
     for num_empty in (0, 16, 256):
-        for variant in ("gate-only", "fork"):
-            result = run_variant(trees[variant], num_empty, args.steps, ext_dir / variant)
+        # The control row: K submodules without parameters cost what ZeRO-3's module hooks cost, on
+        # any model; the fork's empty submodules should cost the same.
+        for variant in ("gate-only", "fork", "fork, control: parameterless submodules"):
+            tree = trees["fork" if variant.startswith("fork") else variant]
+            result = run_variant(tree,
+                                 num_empty,
+                                 args.steps,
+                                 ext_dir / variant.split(",")[0],
+                                 parameterless="control" in variant)
             results["empty_submodules"].append(dict(result, variant=variant, num_empty=num_empty))
             if "error" in result:
                 print(f"| {num_empty} | {variant} | failed: {result['error']!r} |")
                 continue
             gathers, reduce_scatters, all_reduces = collective_summary(result["collectives"])
-            print(f"| {num_empty} | {variant} | {gathers} | {reduce_scatters} | {all_reduces} | "
-                  f"{result['step_ms']:.2f} |",
-                  flush=True)
+            print(
+                f"| {num_empty} | {variant} | {gathers} | {reduce_scatters} | {all_reduces} | "
+                f"{result['step_ms']:.2f} |",
+                flush=True)
 
     step_ms = {"upstream": [], "fork": []}
     for _ in range(args.repeats):

@@ -1,10 +1,11 @@
-"""Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``."""
+"""Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
+``python -m forktools style`` (upstream's style gate on what the series adds or changes)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, pq
+from forktools import ForkError, pq, style
 from forktools.backend import REPO, build_patched_tree
 from forktools.upstream import make_workdir
 
@@ -22,6 +23,11 @@ def main(argv=None):
         sub.add_argument("--dir", type=Path, default=REPO / pq.DEFAULT_QUEUE_DIR, help="the queue's directory")
     tree = commands.add_parser("tree", help="print the path of a patched upstream tree (no git), for inspection")
     tree.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    gate = commands.add_parser("style",
+                               help="check that the files the series adds or changes, tests/unit and the patches "
+                               "pass upstream's style gate (yapf, flake8, codespell, license header, "
+                               "deepspeed.comm/get_accelerator(), DCO)")
+    gate.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     args = parser.parse_args(argv)
 
     try:
@@ -35,6 +41,14 @@ def main(argv=None):
         elif args.command == "tree":
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)
+        elif args.command == "style":
+            problems, summary = style.check(REPO, sdist=args.sdist)
+            for problem in problems:
+                print(problem)
+            if problems:
+                print(f"style gate failed: {len(problems)} problem(s); see docs/maintainers.md", file=sys.stderr)
+                return 1
+            print(summary)
     except ForkError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

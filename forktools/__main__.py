@@ -7,6 +7,7 @@ from pathlib import Path
 
 from forktools import ForkError, pq, style
 from forktools.backend import REPO, build_patched_tree
+from forktools.refresh import run as run_refresh
 from forktools.upstream import make_workdir
 
 
@@ -21,6 +22,14 @@ def main(argv=None):
     exp = pq_commands.add_parser("export", help="write the queue's commits back into patches/ and patches/series")
     for sub in (imp, exp):
         sub.add_argument("--dir", type=Path, default=REPO / pq.DEFAULT_QUEUE_DIR, help="the queue's directory")
+    ref = commands.add_parser("refresh", help="replay the series onto a new upstream release, then re-pin")
+    target = ref.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", metavar="VERSION", help="the upstream release to move to")
+    target.add_argument("--continue", dest="resume", action="store_true", help="go on after a conflict is resolved")
+    ref.add_argument("--sdist", help="local copy of that release's sdist (default: fetched with pip)")
+    ref.add_argument("--dry-run", action="store_true", help="only report, in a temporary queue; write nothing")
+    ref.add_argument("--force", action="store_true", help="replace an existing queue (its changes are lost)")
+    ref.add_argument("--dir", type=Path, default=REPO / pq.DEFAULT_QUEUE_DIR, help="the queue's directory")
     tree = commands.add_parser("tree", help="print the path of a patched upstream tree (no git), for inspection")
     tree.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     gate = commands.add_parser("style",
@@ -38,6 +47,11 @@ def main(argv=None):
         elif args.command == "pq" and args.action == "export":
             changed = pq.export_queue(REPO, args.dir)
             print("\n".join(f"updated patches/{name}" for name in changed) or "patches/ is up to date")
+        elif args.command == "refresh":
+            report = run_refresh(REPO, args.dir, args.to, args.sdist, args.force, args.dry_run, args.resume)
+            print(report)
+            if report.conflict:
+                return 1
         elif args.command == "tree":
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)

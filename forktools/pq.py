@@ -40,7 +40,7 @@ _FORMAT_PATCH = [
 ]
 
 
-def _run(args, cwd, env=None, check=True):
+def run_git(args, cwd, env=None, check=True):
     proc = subprocess.run(["git", *args],
                           cwd=cwd,
                           env=env,
@@ -52,7 +52,7 @@ def _run(args, cwd, env=None, check=True):
     return proc
 
 
-def _queue_env(queue):
+def queue_env(queue):
     # The queue is a repository of its own even when it lies inside the fork's checkout.
     return dict(os.environ, GIT_DIR=str(Path(queue) / ".git"), GIT_WORK_TREE=str(queue))
 
@@ -69,31 +69,41 @@ def import_queue(repo, queue, sdist=None, force=False):
     workdir = make_workdir("deepspeed-fork-pq-")
     try:
         tree = unpack_sdist(pin, fetch_sdist(pin, workdir / "download", explicit=sdist), workdir / "src")
-        queue.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(tree), str(queue))
+        create_queue(queue, tree, pin)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    env = _queue_env(queue)
-    _run(["init", "-q", "-b", "patch-queue"], queue, env)
-    _run(["add", "-A", "-f", "."], queue, env)
-    _run(["commit", "-q", "--no-verify", "-m", f"{pin.name} {pin.version} (pristine sdist)"], queue,
-         dict(env, **_BASE_IDENTITY))
-    _run(["tag", BASE_TAG], queue, env)
     for patch in patches:
-        # The patch's author commits it too: the queue then needs no git identity configured,
-        # and every import of the same series yields the same commit ids.
-        name, address = email.utils.parseaddr(patch.author)
-        am_env = dict(env, GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address)
-        proc = _run(["am", "-q", "--no-3way", "--committer-date-is-author-date",
-                     str(patch.path.resolve())],
-                    queue,
-                    am_env,
-                    check=False)
+        proc = am_patch(queue, patch)
         if proc.returncode != 0:
             raise ForkError(f"{patch.name} does not apply in the queue at {queue}:\n{proc.stdout.strip()}\n"
                             "Resolve it there (git am --show-current-patch, fix, git add, git am --continue), "
                             "then export.")
     return queue
+
+
+def create_queue(queue, tree, pin):
+    """Move the unpacked sdist ``tree`` to ``queue`` and commit it as the base, tagged ``upstream``."""
+    queue.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(tree), str(queue))
+    env = queue_env(queue)
+    run_git(["init", "-q", "-b", "patch-queue"], queue, env)
+    run_git(["add", "-A", "-f", "."], queue, env)
+    run_git(["commit", "-q", "--no-verify", "-m", f"{pin.name} {pin.version} (pristine sdist)"], queue,
+            dict(env, **_BASE_IDENTITY))
+    run_git(["tag", BASE_TAG], queue, env)
+
+
+def am_patch(queue, patch):
+    """Commit one patch onto the queue with ``git am``; returns the finished process (git am may have stopped)."""
+    # The patch's author commits it too: the queue then needs no git identity configured,
+    # and every import of the same series yields the same commit ids.
+    name, address = email.utils.parseaddr(patch.author)
+    am_env = dict(queue_env(queue), GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address)
+    return run_git(["am", "-q", "--no-3way", "--committer-date-is-author-date",
+                    str(patch.path.resolve())],
+                   queue,
+                   am_env,
+                   check=False)
 
 
 def export_queue(repo, queue):
@@ -105,30 +115,81 @@ def export_queue(repo, queue):
     repo, queue = Path(repo), Path(queue).resolve()
     if not (queue / ".git").is_dir():
         raise ForkError(f"{queue} is not a patch queue (run `python -m forktools pq import` first)")
-    env = _queue_env(queue)
-    if _run(["status", "--porcelain", "--untracked-files=no"], queue, env).stdout.strip():
+    if run_git(["status", "--porcelain", "--untracked-files=no"], queue, queue_env(queue)).stdout.strip():
         raise ForkError(f"{queue} has uncommitted changes; commit them (one commit per patch) before exporting")
-    patch_dir = repo / PATCH_DIR
     workdir = make_workdir("deepspeed-fork-export-")
     try:
-        _run([*_FORMAT_PATCH, "-o", str(workdir), f"{BASE_TAG}..HEAD"], queue, env)
-        exported = sorted(workdir.glob("*.patch"))
-        old = set(series_names(repo)) if (patch_dir / SERIES_FILE).is_file() else set()
-        changed = []
-        patch_dir.mkdir(exist_ok=True)
-        for new in exported:
-            target = patch_dir / new.name
-            if not target.is_file() or target.read_bytes() != new.read_bytes():
-                shutil.copyfile(new, target)
-                changed.append(new.name)
-        for name in sorted(old - {new.name for new in exported}):
-            (patch_dir / name).unlink(missing_ok=True)
-            changed.append(name)
-        series_text = "".join(f"{new.name}\n" for new in exported)
-        series = patch_dir / SERIES_FILE
-        if not series.is_file() or series.read_text() != series_text:
-            series.write_text(series_text)
-            changed.append(SERIES_FILE)
-        return changed
+        changes = patch_dir_changes(repo, format_patches(queue, workdir))
+        write_files(repo, changes)
+        return [Path(path).name for path in changes]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def format_patches(queue, outdir):
+    """The queue's commits since ``upstream`` as patch files in ``outdir``, in queue order."""
+    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{BASE_TAG}..HEAD"], queue, queue_env(queue))
+    return sorted(Path(outdir).glob("*.patch"))
+
+
+def patch_dir_changes(repo, exported):
+    """What writing ``exported`` as the series changes under patches/: {relative path: new bytes, or None to remove}.
+
+    Patches come first (queue order), then removed files of the old series, then ``series``;
+    files whose bytes are unchanged are left out.
+    """
+    patch_dir = Path(repo) / PATCH_DIR
+    old = set(series_names(repo)) if (patch_dir / SERIES_FILE).is_file() else set()
+    changes = {}
+    for new in exported:
+        target = patch_dir / new.name
+        if not target.is_file() or target.read_bytes() != new.read_bytes():
+            changes[f"{PATCH_DIR}/{new.name}"] = new.read_bytes()
+    for name in sorted(old - {new.name for new in exported}):
+        if (patch_dir / name).exists():
+            changes[f"{PATCH_DIR}/{name}"] = None
+    series_text = "".join(f"{new.name}\n" for new in exported).encode()
+    series = patch_dir / SERIES_FILE
+    if not series.is_file() or series.read_bytes() != series_text:
+        changes[f"{PATCH_DIR}/{SERIES_FILE}"] = series_text
+    return changes
+
+
+def write_files(repo, changes):
+    """Apply {relative path: bytes, or None to remove} under ``repo`` all or nothing.
+
+    Each file is replaced atomically (written beside its target, then renamed over it); if any
+    step fails, the files already replaced get their old bytes back, so a failure leaves the
+    repository as it was.
+    """
+    repo = Path(repo)
+    done = []  # (path, its old bytes or None if it did not exist)
+    current = None
+    try:
+        for relative, data in changes.items():
+            current = repo / relative
+            old = current.read_bytes() if current.is_file() else None
+            if data is None:
+                current.unlink(missing_ok=True)
+            else:
+                _replace_file(current, data)
+            done.append((current, old))
+    except BaseException as err:
+        for path, old in reversed(done):
+            if old is None:
+                path.unlink(missing_ok=True)
+            else:
+                _replace_file(path, old)
+        if isinstance(err, OSError):
+            raise ForkError(f"could not write {current}: {err}; the files written before it were restored") from err
+        raise
+
+
+def _replace_file(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -152,12 +152,22 @@ def apply_patch(tree, patch):
         text=True)
     if proc.returncode == 0:
         return
-    details = []
-    for line in proc.stdout.splitlines():
+    _, details = explain_failure(patch, proc.stdout)
+    raise ForkError(
+        f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
+        f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
+
+
+def explain_failure(patch, git_apply_output):
+    """From ``git apply``'s errors: (the files that do not take the patch, lines naming each failing hunk)."""
+    files, details = [], []
+    for line in git_apply_output.splitlines():
         failed = re.match(r"error: patch failed: (.+):(\d+)$", line)
         missing = re.match(r"error: (.+): (No such file or directory|does not exist in index)$", line)
+        present = re.match(r"error: (.+): already exists in (working directory|index)$", line)
         if failed:
             target = failed.group(1)
+            files.append(target)
             details.append(f"  target file: {target}")
             hunk = _failed_hunk(patch.path, target, int(failed.group(2)))
             if hunk:
@@ -165,12 +175,14 @@ def apply_patch(tree, patch):
                 details.append(f"  failing hunk: #{number} in {target} (line {start} of the patch):")
                 details.extend("    " + hunk_line for hunk_line in text.splitlines())
         elif missing:
+            files.append(missing.group(1))
             details.append(f"  target file: {missing.group(1)} (missing from the upstream tree)")
+        elif present:
+            files.append(present.group(1))
+            details.append(f"  target file: {present.group(1)} (the patch creates it, but the upstream tree has it)")
     if not details:
-        details = ["  " + line for line in proc.stdout.strip().splitlines()]
-    raise ForkError(
-        f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
-        f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
+        details = ["  " + line for line in git_apply_output.strip().splitlines()]
+    return list(dict.fromkeys(files)), details
 
 
 def apply_series(tree, patches):

@@ -3,6 +3,7 @@
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -51,6 +52,23 @@ def read_pin(repo):
     return pin
 
 
+def pin_file_text(repo, pin):
+    """upstream.toml's text with ``pin``'s version and sha256 in place of the current ones (comments kept)."""
+    path = Path(repo) / PIN_FILE
+    text = path.read_text()
+    for key, value in (("version", pin.version), ("sha256", pin.sha256)):
+        text, count = re.subn(rf'^{key}\s*=\s*"[^"\n]*"', f'{key} = "{value}"', text, count=1, flags=re.M)
+        if count != 1:
+            raise ForkError(f'{path}: found no line `{key} = "..."` to update')
+    try:
+        written = tomllib.loads(text)["upstream"]
+    except (tomllib.TOMLDecodeError, KeyError) as err:
+        raise ForkError(f"{path}: updating version and sha256 would leave it unreadable ({err!r})")
+    if (written.get("version"), written.get("sha256")) != (pin.version, pin.sha256):
+        raise ForkError(f"{path}: version and sha256 must be in its [upstream] table, one `key = \"value\"` a line")
+    return text
+
+
 def sha256_of(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -84,24 +102,34 @@ def fetch_sdist(pin, dest, explicit=None):
             raise ForkError(f"upstream sdist {path} (given by {SDIST_ENV} or the sdist config setting) does not exist")
         return verify_sdist(pin, path)
 
+    path = download_sdist(
+        pin.name,
+        pin.version,
+        dest,
+        hint=f"Check pip's index settings, or point {SDIST_ENV} at a local copy of {pin.sdist_name}.")
+    return verify_sdist(pin, path)
+
+
+def download_sdist(name, version, dest, hint):
+    """Download ``name==version``'s sdist into ``dest`` with pip and return its path (not verified)."""
     dest = Path(dest)
+    requirement, sdist_name = f"{name}=={version}", f"{name}-{version}.tar.gz"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check"]
     if importlib.util.find_spec("setuptools") is not None:
         # pip prepares the sdist's metadata with the setuptools we already run under instead of
         # installing a second build environment (which needs the index again and fails offline).
         cmd.append("--no-build-isolation")
-    cmd += ["-d", str(dest), pin.requirement]
+    cmd += ["-d", str(dest), requirement]
     # When this runs inside pip's hook runner, its variables name *our* backend; the nested pip
     # would hand them on to the upstream sdist's setuptools backend and refuse to run it.
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    path = dest / pin.sdist_name
+    path = dest / sdist_name
     if proc.returncode != 0 or not path.is_file():
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        raise ForkError(f"could not fetch the upstream sdist {pin.sdist_name} ({pin.requirement}) with pip:\n"
-                        f"  {' '.join(cmd)}\n{tail}\n"
-                        f"Check pip's index settings, or point {SDIST_ENV} at a local copy of {pin.sdist_name}.")
-    return verify_sdist(pin, path)
+        raise ForkError(f"could not fetch the upstream sdist {sdist_name} ({requirement}) with pip:\n"
+                        f"  {' '.join(cmd)}\n{tail}\n{hint}")
+    return path
 
 
 def unpack_sdist(pin, sdist, dest):

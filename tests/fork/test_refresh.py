@@ -1,0 +1,217 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``python -m forktools refresh``: the series replayed onto a new upstream release, then re-pinned.
+
+No newer release exists, so each test makes one from the pinned sdist: renamed to 0.19.9 and
+changed the way a real release would change the files the series touches. Each refresh replays
+the series in a real queue (a few seconds); the two tests take about 25 s together.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from conftest import tree_files
+
+from forktools.series import apply_patch, parse_patch, read_series, series_names
+from forktools.upstream import read_pin, sha256_of
+
+NEW = "0.19.9"
+GATE = "0001-zero3-gate-the-fetch-all-gather-on-pending-status-not-numel.patch"
+KEEP_OUT = "0003-zero3-keep-zero-element-parameters-out-of-all-gathers.patch"
+ZERO_TO_FP32 = "0004-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
+LINEAR = "0006-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
+# A context line of KEEP_OUT's first hunk, and what the conflicting release makes of it.
+KEEP_OUT_CONTEXT = "if len(params) == 0:"
+KEEP_OUT_CONTEXT_NEW = "if not params:"
+
+
+def forktools(repo, *args):
+    # Run the copy's own forktools: `python -m` puts the working directory first on sys.path.
+    return subprocess.run([sys.executable, "-m", "forktools", *args],
+                          cwd=repo,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def git(queue, *args):
+    proc = subprocess.run(["git", "-C", str(queue), *args],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+def unpack(sdist, dest):
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    (tree, ) = Path(dest).iterdir()
+    return tree
+
+
+def make_release(upstream_sdist, workdir, change):
+    """deepspeed-0.19.9.tar.gz: the pinned sdist under the new version, with ``change(tree)`` applied."""
+    tree = unpack(upstream_sdist, workdir / "src")
+    old = tree.name.rsplit("-", 1)[1]
+    tree = tree.rename(tree.with_name(f"deepspeed-{NEW}"))
+    (tree / "version.txt").write_text((tree / "version.txt").read_text().replace(old, NEW))
+    for pkg_info in [tree / "PKG-INFO", *tree.glob("*.egg-info/PKG-INFO")]:
+        pkg_info.write_text(pkg_info.read_text().replace(f"\nVersion: {old}\n", f"\nVersion: {NEW}\n"))
+    change(tree)
+    sdist = workdir / f"deepspeed-{NEW}.tar.gz"
+    with tarfile.open(sdist, "w:gz", compresslevel=1) as tar:
+        tar.add(tree, arcname=tree.name)
+    return sdist
+
+
+def report_of(output):
+    """Patch name -> what the refresh reported for it."""
+    return {
+        line.strip().split(": ", 1)[0]: line.strip().split(": ", 1)[1]
+        for line in output.splitlines() if line.startswith("  00") and ": " in line
+    }
+
+
+def test_refresh_drops_what_upstream_has_and_refreshes_what_moved(repo_copy, upstream_sdist, tmp_path):
+    old_names = series_names(repo_copy)
+    old_patches = {patch.name: patch for patch in read_series(repo_copy)}
+    old_bytes = {name: patch.path.read_bytes() for name, patch in old_patches.items()}
+
+    def change(tree):
+        # Upstream takes the gate fix (0001) ...
+        apply_patch(tree, old_patches[GATE])
+        # ... adds lines above the hunk of 0006, so that it applies at an offset ...
+        linear = tree / "deepspeed/runtime/zero/linear.py"
+        lines = linear.read_text().splitlines(keepends=True)
+        linear.write_text("".join(lines[:4] + ["\n", "# Added upstream in 0.19.9.\n"] + lines[4:]))
+        # ... and changes engine.py far below 0004's hunk: 0004 applies exactly, only its blob ids change.
+        with open(tree / "deepspeed/runtime/engine.py", "a") as engine:
+            engine.write("# Added upstream in 0.19.9.\n")
+
+    release = make_release(upstream_sdist, tmp_path / "release", change)
+    before = tree_files(repo_copy)
+    queue = tmp_path / "queue"
+
+    dry = forktools(repo_copy, "refresh", "--to", NEW, "--sdist", str(release), "--dir", str(queue), "--dry-run")
+    assert dry.returncode == 0, dry.stdout
+    assert "dry run: nothing written" in dry.stdout and "  write upstream.toml" in dry.stdout
+    assert tree_files(repo_copy) == before and not queue.exists()
+
+    proc = forktools(repo_copy, "refresh", "--to", NEW, "--sdist", str(release), "--dir", str(queue))
+    assert proc.returncode == 0, proc.stdout
+    print(proc.stdout)
+    new_names = series_names(repo_copy)
+    renamed = dict(zip([name for name in old_names if name != GATE], new_names))
+    expected = {name: f"applies unchanged (now {renamed[name]})" for name in old_names if name != GATE}
+    expected[GATE] = f"already in upstream -> patches/applied-upstream/{GATE} (Applied-Upstream: {NEW})"
+    expected[ZERO_TO_FP32] = f"applies unchanged (now {renamed[ZERO_TO_FP32]}, index lines refreshed)"
+    expected[LINEAR] = f"applies with offsets (refreshed) (now {renamed[LINEAR]})"
+    assert report_of(proc.stdout) == expected
+    assert report_of(dry.stdout) == expected
+
+    # The new pin: the release's version and the sha256 of the file itself.
+    pin = read_pin(repo_copy)
+    assert (pin.version, pin.sha256) == (NEW, sha256_of(release))
+    # The series without 0001, in the same order, renumbered as `pq export` numbers it.
+    assert [parse_patch(repo_copy / "patches" / name).subject
+            for name in new_names] == [old_patches[name].subject for name in old_names if name != GATE]
+    assert not (repo_copy / "patches" / GATE).exists()
+    # 0001 kept, with its trailer set to the release that has it, and the same diff.
+    applied = repo_copy / "patches" / "applied-upstream" / GATE
+    assert parse_patch(applied).dep3["Applied-Upstream"] == NEW
+    assert applied.read_bytes().split(b"\n---\n", 1)[1] == old_bytes[GATE].split(b"\n---\n", 1)[1]
+    # Patches without offsets keep their bytes; the moved one has new hunk headers.
+    assert (repo_copy / "patches" / renamed[KEEP_OUT]).read_bytes() == old_bytes[KEEP_OUT]
+    assert (repo_copy / "patches" / renamed[LINEAR]).read_bytes() != old_bytes[LINEAR]
+
+    # Every patch of the new series applies to the release exactly: no offsets left.
+    tree = unpack(release, tmp_path / "check")
+    for name in new_names:
+        applied_now = subprocess.run(["git", "apply", "-v", str(repo_copy / "patches" / name)],
+                                     cwd=tree,
+                                     env=dict(os.environ, LC_ALL="C", GIT_CEILING_DIRECTORIES=str(tree.parent)),
+                                     stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT,
+                                     text=True)
+        assert applied_now.returncode == 0 and "offset" not in applied_now.stdout, applied_now.stdout
+
+    # The queue left behind is the new series: exporting it changes nothing.
+    export = forktools(repo_copy, "pq", "export", "--dir", str(queue))
+    assert export.returncode == 0 and "patches/ is up to date" in export.stdout, export.stdout
+
+    # And the fork builds on the new release.
+    built = forktools(repo_copy, "tree", "--sdist", str(release))
+    assert built.returncode == 0, built.stdout
+    patched = Path(built.stdout.strip().splitlines()[-1])
+    try:
+        assert f"base_version = '{NEW}'" in (patched / "deepspeed/fork_info_installed.py").read_text()
+    finally:
+        shutil.rmtree(patched.parents[1])
+
+
+def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upstream_sdist, tmp_path):
+    old_patches = {patch.name: patch for patch in read_series(repo_copy)}
+    target = "deepspeed/runtime/zero/partition_parameters.py"
+
+    def change(tree):
+        # Upstream rewrites a line that 0003's first hunk has as context.
+        path = tree / target
+        text = path.read_text()
+        assert text.count(KEEP_OUT_CONTEXT) == 1
+        path.write_text(text.replace(KEEP_OUT_CONTEXT, KEEP_OUT_CONTEXT_NEW))
+
+    release = make_release(upstream_sdist, tmp_path / "release", change)
+    before = tree_files(repo_copy)
+    queue = tmp_path / "queue"
+
+    proc = forktools(repo_copy, "refresh", "--to", NEW, "--sdist", str(release), "--dir", str(queue))
+    print(proc.stdout)
+    assert proc.returncode != 0
+    report = report_of(proc.stdout)
+    names = list(old_patches)
+    assert report[names[0]] == report[names[1]] == "applies unchanged"
+    assert report[KEEP_OUT] == f"conflicts in {target}"
+    assert all(report[name] == "not tried" for name in names[3:])
+    assert f"{target}.rej" in proc.stdout and "refresh --continue" in proc.stdout
+    assert tree_files(repo_copy) == before, "a conflicting refresh changed upstream.toml or patches/"
+
+    # The queue: the new base, the patches before 0003, and git am stopped on 0003.
+    assert git(queue, "log", "-1", "--format=%s", "upstream").strip() == f"deepspeed {NEW} (pristine sdist)"
+    assert git(queue, "log", "--reverse", "--format=%s",
+               "upstream..HEAD").splitlines() == [old_patches[name].subject for name in names[:2]]
+    assert (queue / ".git" / "rebase-apply").is_dir()
+    assert old_patches[KEEP_OUT].subject in git(queue, "am", "--show-current-patch=raw")
+    assert (queue / f"{target}.rej").is_file()
+    assert git(queue, "diff", "--cached", "--name-only").split() == [target]  # the hunks that apply, staged
+
+    # Continuing before git am is done is refused, and still changes nothing.
+    early = forktools(repo_copy, "refresh", "--continue", "--dir", str(queue))
+    assert early.returncode != 0 and "git am is still stopped" in early.stdout
+    assert tree_files(repo_copy) == before
+
+    # Resolve as a maintainer would: the patch with its context line updated, then git am --continue.
+    git(queue, "checkout", "HEAD", "--", target)
+    (queue / f"{target}.rej").unlink()
+    patch_text = old_patches[KEEP_OUT].path.read_text()
+    assert patch_text.count(KEEP_OUT_CONTEXT) == 1
+    resolved = tmp_path / "resolved.patch"
+    resolved.write_text(patch_text.replace(KEEP_OUT_CONTEXT, KEEP_OUT_CONTEXT_NEW))
+    git(queue, "apply", "--index", str(resolved))
+    git(queue, "-c", "user.name=Test Maintainer", "-c", "user.email=test@example.invalid", "am", "--continue")
+
+    done = forktools(repo_copy, "refresh", "--continue", "--dir", str(queue))
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout
+    report = report_of(done.stdout)
+    assert report[KEEP_OUT] == "conflict resolved in the queue (refreshed)"
+    assert all(report[name] == "applies unchanged" for name in names if name != KEEP_OUT)
+    assert (read_pin(repo_copy).version, read_pin(repo_copy).sha256) == (NEW, sha256_of(release))
+    assert series_names(repo_copy) == names
+    assert f" {KEEP_OUT_CONTEXT_NEW}\n" in (repo_copy / "patches" / KEEP_OUT).read_text()

@@ -1,5 +1,6 @@
 """Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
-``python -m forktools style`` (upstream's style gate on what the series adds or changes)."""
+``python -m forktools style`` (upstream's style gate on what the series adds or changes),
+``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release)."""
 
 import argparse
 import sys

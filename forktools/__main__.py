@@ -1,12 +1,13 @@
 """Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
-``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release)."""
+``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
+``python -m forktools export`` (each topic as an upstream pull request)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, pq, style
+from forktools import ForkError, export, pq, style
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
 from forktools.upstream import make_workdir
@@ -38,6 +39,11 @@ def main(argv=None):
                                "pass upstream's style gate (yapf, flake8, codespell, license header, "
                                "deepspeed.comm/get_accelerator(), DCO)")
     gate.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    prs = commands.add_parser("export",
+                              help="write each topic as an upstream pull request: a git am mailbox onto the "
+                              "pristine release, with its tests, and PR.md")
+    prs.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    prs.add_argument("--out", type=Path, default=REPO / export.DEFAULT_OUT_DIR, help="output folder (replaced)")
     args = parser.parse_args(argv)
 
     try:
@@ -56,6 +62,11 @@ def main(argv=None):
         elif args.command == "tree":
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)
+        elif args.command == "export":
+            for topic, topic_dir in export.export_topics(REPO, args.out, sdist=args.sdist):
+                patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
+                print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
+                      f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")
         elif args.command == "style":
             problems, summary = style.check(REPO, sdist=args.sdist)
             for problem in problems:

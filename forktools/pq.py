@@ -126,9 +126,9 @@ def export_queue(repo, queue):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def format_patches(queue, outdir):
-    """The queue's commits since ``upstream`` as patch files in ``outdir``, in queue order."""
-    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{BASE_TAG}..HEAD"], queue, queue_env(queue))
+def format_patches(queue, outdir, since=BASE_TAG):
+    """The queue's commits since ``since`` (default: ``upstream``) as patch files in ``outdir``, in order."""
+    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{since}..HEAD"], queue, queue_env(queue))
     return sorted(Path(outdir).glob("*.patch"))
 
 

@@ -16,6 +16,9 @@ PATCH_DIR = "patches"
 SERIES_FILE = "series"
 # DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
 DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
+# The fork's own header fields, for the upstream export (forktools/export.py): the topic (upstream
+# pull request) a patch belongs to, the topics its tests need first, and the tests that go with it.
+EXPORT_FIELDS = ("Topic", "Depends-On", "Upstream-Tests")
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -68,7 +71,7 @@ def parse_patch(path):
     dep3 = {}
     for line in message.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key in DEP3_FIELDS:
+        if sep and key in DEP3_FIELDS + EXPORT_FIELDS:
             dep3[key] = value.strip()
     return Patch(path=path, subject=subject, author=str(msg["From"]), message=message, dep3=dep3)
 

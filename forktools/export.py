@@ -1,0 +1,203 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The series as upstream pull requests: ``python -m forktools export [--out DIR]``.
+
+A topic is one upstream pull request: the patches whose header says ``Topic: NAME`` (a patch with
+no Topic is a topic of its own; fork-only patches, ``Forwarded: not-needed``, are not exported),
+plus the test files their ``Upstream-Tests:`` fields name, at the same paths upstream keeps them
+(our ``tests/`` mirrors upstream's layout). ``Depends-On: TOPIC`` says which topics must be merged
+first for the tests to pass.
+
+For each topic, in series order, ``DIR/NN-TOPIC/`` gets:
+
+- ``TOPIC.mbox``: one commit per patch, then one commit adding the tests, as ``git format-patch``
+  writes them; ``git am TOPIC.mbox`` applies it to a repository of the pristine upstream release
+  (after the mailboxes of the topics it depends on). The fork's own header fields are left out;
+  the DCO sign-off stays.
+- ``PR.md``: the pull request's title and description (symptom, root cause and fix from each
+  patch's message; how it was verified; what it depends on).
+
+Every mailbox is checked while it is made: the topics are applied in series order to one pristine
+repository, and each topic without dependencies also alone to a fresh one.
+"""
+
+import email.utils
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forktools import ForkError
+from forktools.pq import create_queue, format_patches, queue_env, run_git
+from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, read_series
+from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+
+DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
+# Header fields that only mean something to the fork; the mailbox leaves them out.
+_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
+
+
+@dataclass
+class Topic:
+    name: str
+    patches: list = field(default_factory=list)
+    tests: list = field(default_factory=list)
+    depends_on: list = field(default_factory=list)
+
+
+def topics_of(repo, patches):
+    """The series' topics in series order (by their first patch), checking their fields."""
+    topics = {}
+    for patch in patches:
+        if patch.dep3.get("Forwarded", "no") == "not-needed":
+            continue
+        name = patch.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", patch.name)
+        topic = topics.setdefault(name, Topic(name))
+        topic.patches.append(patch)
+        topic.tests += patch.dep3.get("Upstream-Tests", "").split()
+        topic.depends_on += [dep for dep in patch.dep3.get("Depends-On", "").split() if dep not in topic.depends_on]
+    for topic in topics.values():
+        for dep in topic.depends_on:
+            if dep not in topics:
+                raise ForkError(f"topic {topic.name} depends on {dep!r}, which no patch of the series names as its "
+                                f"Topic (known topics: {', '.join(topics)})")
+    for topic in topics.values():
+        for test in topic.tests:
+            if not (Path(repo) / test).is_file():
+                raise ForkError(f"topic {topic.name}: Upstream-Tests names {test}, which does not exist")
+    owners = {}
+    for topic in topics.values():
+        for test in topic.tests:
+            if test in owners:
+                # Two pull requests adding the same file would not apply one after the other.
+                raise ForkError(f"{test} is listed by topics {owners[test]} and {topic.name}; a test file "
+                                "goes upstream with one topic")
+            owners[test] = topic.name
+    return list(topics.values())
+
+
+def mailbox_message(patch):
+    """The patch file without the fork-only header fields, for ``git am``."""
+    text = patch.path.read_text(encoding="utf-8")
+    head, sep, diff = text.partition("\n---\n")
+    kept = [line for line in head.split("\n") if line.partition(":")[0] not in _FORK_ONLY_FIELDS]
+    return "\n".join(kept) + sep + diff
+
+
+def commit_topic(queue, topic, repo, scratch):
+    """Apply ``topic``'s patches and commit its tests in ``queue``; the commits' range start is returned."""
+    start = run_git(["rev-parse", "HEAD"], queue, queue_env(queue)).stdout.strip()
+    for patch in topic.patches:
+        stripped = scratch / patch.name
+        stripped.write_text(mailbox_message(patch), encoding="utf-8")
+        name, address = email.utils.parseaddr(patch.author)
+        proc = run_git(["am", "-q", "--no-3way", "--committer-date-is-author-date",
+                        str(stripped)],
+                       queue,
+                       dict(queue_env(queue), GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address),
+                       check=False)
+        if proc.returncode != 0:
+            raise ForkError(f"topic {topic.name}: {patch.name} does not apply with git am on the pristine upstream "
+                            f"release (after the topics before it):\n{proc.stdout.strip()}")
+    if topic.tests:
+        for test in topic.tests:
+            target = queue / test
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(repo) / test, target)
+        author = topic.patches[-1].author
+        name, address = email.utils.parseaddr(author)
+        env = dict(queue_env(queue),
+                   GIT_AUTHOR_NAME=name,
+                   GIT_AUTHOR_EMAIL=address,
+                   GIT_COMMITTER_NAME=name,
+                   GIT_COMMITTER_EMAIL=address)
+        run_git(["add", "-f", *topic.tests], queue, env)
+        message = (f"tests: {topic.patches[0].subject}\n\n"
+                   f"Tests for this change, in DeepSpeed's DistributedTest style:\n\n" +
+                   "".join(f"- {test}\n" for test in topic.tests) + f"\nSigned-off-by: {name} <{address}>\n")
+        run_git(["commit", "-q", "--no-verify", "-m", message], queue, env)
+    return start
+
+
+def pr_description(topic, topics_dir_names):
+    """PR.md: the title, each patch's message (symptom, root cause, fix), verification, dependencies."""
+    lines = [f"# {topic.patches[0].subject}", ""]
+    for patch in topic.patches:
+        # The message holds the body only (the subject is a header of the patch file).
+        body = "\n".join(line for line in patch.message.strip("\n").split("\n")
+                         if line.partition(":")[0] not in _FORK_ONLY_FIELDS + ("Signed-off-by", ))
+        if len(topic.patches) > 1:
+            lines += [f"## {patch.subject}", ""]
+        lines += [body.strip("\n"), ""]
+    lines += ["## Verification", ""]
+    if topic.tests:
+        lines += ["New tests (each fails on the release without this change):", ""]
+        lines += [f"- `{test}`" for test in topic.tests]
+        lines += [
+            "", "```bash", "cd tests && pytest " + " ".join(str(Path(t).relative_to("tests")) for t in topic.tests),
+            "```", ""
+        ]
+    else:
+        lines += ["Covered by the tests of the other commits of this pull request.", ""]
+    if topic.depends_on:
+        lines += ["## Depends on", ""]
+        lines += [
+            f"- {dep} (`{topics_dir_names[dep]}/PR.md`): its fix is needed for these tests to pass"
+            for dep in topic.depends_on
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def export_topics(repo, out_dir, sdist=None):
+    """Write every topic's mailbox and PR description under ``out_dir``; returns [(topic, its dir)]."""
+    repo, out_dir = Path(repo), Path(out_dir)
+    pin = read_pin(repo)
+    topics = topics_of(repo, read_series(repo))
+    dir_names = {topic.name: f"{index:02d}-{topic.name}" for index, topic in enumerate(topics, start=1)}
+    workdir = make_workdir("deepspeed-fork-upstream-prs-")
+    try:
+        sdist_path = fetch_sdist(pin, workdir / "download", explicit=sdist)
+        scratch = workdir / "scratch"
+        scratch.mkdir()
+        staging = workdir / "out"
+
+        def pristine_repo(name):
+            queue = workdir / name
+            create_queue(queue, unpack_sdist(pin, sdist_path, workdir / f"{name}-src"), pin)
+            return queue
+
+        # All topics in series order, on one repository: the mailboxes come from here.
+        in_order = pristine_repo("in-series-order")
+        for topic in topics:
+            start = commit_topic(in_order, topic, repo, scratch)
+            topic_dir = staging / dir_names[topic.name]
+            topic_dir.mkdir(parents=True)
+            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start)
+            mailbox = b"".join(path.read_bytes() for path in commits)
+            (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
+            (topic_dir / "PR.md").write_text(pr_description(topic, dir_names), encoding="utf-8")
+        # Topics that depend on nothing must apply alone too.
+        for topic in topics:
+            if not topic.depends_on:
+                alone = pristine_repo(f"alone-{topic.name}")
+                mailbox = staging / dir_names[topic.name] / f"{topic.name}.mbox"
+                proc = run_git(["am", "-q", "--no-3way", str(mailbox)],
+                               alone,
+                               dict(queue_env(alone),
+                                    GIT_COMMITTER_NAME="export",
+                                    GIT_COMMITTER_EMAIL="export@invalid"),
+                               check=False)
+                if proc.returncode != 0:
+                    raise ForkError(f"topic {topic.name} has no Depends-On but does not apply alone on the pristine "
+                                    f"upstream release:\n{proc.stdout.strip()}")
+        # Replace the output only when everything was made and checked.
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), str(out_dir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return [(topic, out_dir / dir_names[topic.name]) for topic in topics]

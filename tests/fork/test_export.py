@@ -1,0 +1,108 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``python -m forktools export``: every topic as an upstream pull request that applies with ``git am``."""
+
+import email
+import email.policy
+import mailbox
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from forktools import ForkError
+from forktools.export import export_topics
+from forktools.series import read_series
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def exported(upstream_sdist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "upstream-prs"
+    return export_topics(REPO, out, sdist=upstream_sdist)
+
+
+def pristine_repo(sdist, dest):
+    """A git repository of the pristine upstream release, as a maintainer would make one."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    tree = next(dest.iterdir())
+    env = dict(os.environ,
+               GIT_AUTHOR_NAME="upstream",
+               GIT_AUTHOR_EMAIL="upstream@invalid",
+               GIT_COMMITTER_NAME="reviewer",
+               GIT_COMMITTER_EMAIL="reviewer@invalid")
+    for args in (["init", "-q"], ["add", "-A", "-f", "."], ["commit", "-q", "-m", "pristine"]):
+        subprocess.run(["git", *args], cwd=tree, env=env, check=True)
+    return tree, env
+
+
+def git_am(tree, env, mailbox):
+    return subprocess.run(["git", "am", "-q", str(mailbox)],
+                          cwd=tree,
+                          env=env,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def test_topics_cover_every_forwardable_patch(exported):
+    patches = [p for p in read_series(REPO) if p.dep3.get("Forwarded") != "not-needed"]
+    assert sorted(p.name for topic, _ in exported for p in topic.patches) == sorted(p.name for p in patches)
+    for topic, topic_dir in exported:
+        assert (topic_dir / f"{topic.name}.mbox").is_file()
+        description = (topic_dir / "PR.md").read_text()
+        assert description.startswith(f"# {topic.patches[0].subject}\n")
+        assert "Root cause" in description and "## Verification" in description
+        for test in topic.tests:
+            assert f"`{test}`" in description
+
+
+def test_mailboxes_apply_in_series_order_with_their_tests(exported, upstream_sdist, tmp_path):
+    tree, env = pristine_repo(upstream_sdist, tmp_path)
+    for topic, topic_dir in exported:
+        proc = git_am(tree, env, topic_dir / f"{topic.name}.mbox")
+        assert proc.returncode == 0, f"{topic.name}: {proc.stdout}"
+        for test in topic.tests:
+            # The test goes upstream at the path and with the bytes it has here.
+            assert (tree / test).read_bytes() == (REPO / test).read_bytes()
+    log = subprocess.run(["git", "log", "--format=%an <%ae>%n%B%n--end--", "HEAD~1..HEAD", "--reverse"],
+                         cwd=tree,
+                         stdout=subprocess.PIPE,
+                         text=True,
+                         check=True).stdout
+    assert "Signed-off-by: " in log
+    for field in ("Topic:", "Depends-On:", "Upstream-Tests:", "Forwarded:", "Applied-Upstream:"):
+        assert field not in log
+
+
+def test_each_commit_is_signed_off_by_its_author(exported):
+    for topic, topic_dir in exported:
+        messages = list(mailbox.mbox(topic_dir / f"{topic.name}.mbox", create=False))
+        assert len(messages) == len(topic.patches) + (1 if topic.tests else 0)
+        for message in messages:
+            author = str(email.message_from_bytes(message.as_bytes(), policy=email.policy.default)["From"])
+            assert f"Signed-off-by: {author}" in message.get_payload(), (topic.name, message["Subject"])
+
+
+def test_independent_topics_apply_alone(exported, upstream_sdist, tmp_path):
+    independent = [(topic, topic_dir) for topic, topic_dir in exported if not topic.depends_on]
+    assert independent
+    for index, (topic, topic_dir) in enumerate(independent):
+        tree, env = pristine_repo(upstream_sdist, tmp_path / str(index))
+        proc = git_am(tree, env, topic_dir / f"{topic.name}.mbox")
+        assert proc.returncode == 0, f"{topic.name}: {proc.stdout}"
+
+
+def test_unknown_dependency_is_refused_by_name(repo_copy, upstream_sdist, tmp_path):
+    patch = next(p for p in read_series(repo_copy) if p.dep3.get("Depends-On"))
+    text = patch.path.read_text()
+    patch.path.write_text(text.replace(f"Depends-On: {patch.dep3['Depends-On']}", "Depends-On: no-such-topic", 1))
+    out = tmp_path / "out"
+    with pytest.raises(ForkError, match="depends on 'no-such-topic'"):
+        export_topics(repo_copy, out, sdist=upstream_sdist)
+    assert not out.exists()

@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 HIDDEN = 256
 SIZED_LAYERS = 4
 BATCH = 8
-GATE_ONLY_PATCH = "0001-"
+# By subject, not number: a refresh onto a new release renumbers the series.
+GATE_ONLY_SUBJECT = "zero3: gate the fetch all-gather on pending status, not numel"
 
 
 def free_port():
@@ -57,9 +58,12 @@ def prepare_trees(workdir):
     sdist = fetch_sdist(pin, workdir / "download")
     variants = {
         "upstream": [],
-        "gate-only": [p for p in patches if p.name.startswith(GATE_ONLY_PATCH)],
+        "gate-only": [p for p in patches if p.subject == GATE_ONLY_SUBJECT],
         "fork": patches,
     }
+    if not variants["gate-only"]:
+        sys.exit(f"no patch with the subject {GATE_ONLY_SUBJECT!r} in the series (merged upstream?): "
+                 "there is no gate-only variant to compare with")
     trees = {}
     for variant, variant_patches in variants.items():
         # Always from the pristine sdist: a tree left by an earlier run may hold an older series.

@@ -69,3 +69,22 @@ def tree_files(root):
         p.relative_to(root): p.read_bytes()
         for p in sorted(Path(root).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
     }
+
+
+def forktools(repo, *args):
+    """Run the forktools of the fork at ``repo``: ``python -m`` puts the working directory first on sys.path."""
+    return subprocess.run([sys.executable, "-m", "forktools", *args],
+                          cwd=repo,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def git(queue, *args):
+    """``git -C queue ARGS``, asserting success; returns its output."""
+    proc = subprocess.run(["git", "-C", str(queue), *args],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout

@@ -5,29 +5,10 @@
 """The gbp-pq-like maintainer workflow: import the series as git commits, export it back."""
 
 import subprocess
-import sys
 
-from conftest import tree_files
+from conftest import forktools, git, tree_files
 
 from forktools.series import series_names
-
-
-def forktools(repo, *args):
-    # Run the copy's own forktools: `python -m` puts the working directory first on sys.path.
-    return subprocess.run([sys.executable, "-m", "forktools", *args],
-                          cwd=repo,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-
-
-def git(queue, *args):
-    proc = subprocess.run(["git", "-C", str(queue), *args],
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout
-    return proc.stdout
 
 
 def import_queue(repo, sdist, queue):

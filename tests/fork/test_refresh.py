@@ -12,11 +12,10 @@ the series in a real queue (a few seconds); the two tests take about 25 s togeth
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-from conftest import tree_files
+from conftest import forktools, git, tree_files
 
 from forktools.series import apply_patch, parse_patch, read_series, series_names
 from forktools.upstream import read_pin, sha256_of
@@ -29,24 +28,6 @@ LINEAR = "0006-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.pat
 # A context line of KEEP_OUT's first hunk, and what the conflicting release makes of it.
 KEEP_OUT_CONTEXT = "if len(params) == 0:"
 KEEP_OUT_CONTEXT_NEW = "if not params:"
-
-
-def forktools(repo, *args):
-    # Run the copy's own forktools: `python -m` puts the working directory first on sys.path.
-    return subprocess.run([sys.executable, "-m", "forktools", *args],
-                          cwd=repo,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-
-
-def git(queue, *args):
-    proc = subprocess.run(["git", "-C", str(queue), *args],
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout
-    return proc.stdout
 
 
 def unpack(sdist, dest):

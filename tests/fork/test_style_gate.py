@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO, copy_repo
+from conftest import git as conftest_git
 
 from forktools import pq
 from forktools.series import series_names
@@ -43,12 +44,7 @@ def reported(output):
 
 
 def git(queue, *args):
-    proc = subprocess.run(["git", "-C", str(queue), *IDENTITY, *args],
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout
-    return proc.stdout
+    return conftest_git(queue, *IDENTITY, *args)
 
 
 def patch_changing(repo, target):

@@ -26,11 +26,11 @@ repository, and each topic without dependencies also alone to a fresh one.
 import email.utils
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.pq import create_queue, format_patches, queue_env, run_git
+from forktools.pq import am_patch, create_queue, format_patches, queue_env, run_git
 from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, read_series
 from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
 
@@ -92,12 +92,7 @@ def commit_topic(queue, topic, repo, scratch):
     for patch in topic.patches:
         stripped = scratch / patch.name
         stripped.write_text(mailbox_message(patch), encoding="utf-8")
-        name, address = email.utils.parseaddr(patch.author)
-        proc = run_git(["am", "-q", "--no-3way", "--committer-date-is-author-date",
-                        str(stripped)],
-                       queue,
-                       dict(queue_env(queue), GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address),
-                       check=False)
+        proc = am_patch(queue, replace(patch, path=stripped))
         if proc.returncode != 0:
             raise ForkError(f"topic {topic.name}: {patch.name} does not apply with git am on the pristine upstream "
                             f"release (after the topics before it):\n{proc.stdout.strip()}")

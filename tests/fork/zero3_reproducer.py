@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import deepspeed
+import deepspeed.comm
 
 
 class M(nn.Module):
@@ -47,6 +48,10 @@ def main():
         engine.backward(loss)
         engine.step()
     print(f"OK deepspeed {deepspeed.__version__}", flush=True)
+    # Shut the process group down before the interpreter does: left to exit, a rank can abort in
+    # teardown ("terminate called without an active exception") after it has finished.
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -88,3 +88,24 @@ def git(queue, *args):
                           text=True)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory, upstream_sdist):
+    """site directory per build: 'fork' (the series) and 'upstream' (the same backend, empty series),
+    built once per session for every test that runs code under both."""
+    sites = {}
+    for name in ("fork", "upstream"):
+        root = tmp_path_factory.mktemp(name)
+        repo = copy_repo(root / "repo")
+        if name == "upstream":
+            (repo / "patches" / "series").write_text("")
+        proc = pip_wheel(repo, root / "wheel", sdist=upstream_sdist)
+        assert proc.returncode == 0, proc.stdout
+        (wheel, ) = (root / "wheel").glob("*.whl")
+        site = root / "site"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+             str(site), str(wheel)], check=True)
+        sites[name] = site
+    return sites

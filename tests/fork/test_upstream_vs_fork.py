@@ -11,30 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_repo, pip_wheel
 from unit.common import get_master_port, remove_shm_segments
 
 REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
-
-
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory, upstream_sdist):
-    """site directory per build: 'fork' (the series) and 'upstream' (the same backend, empty series)."""
-    sites = {}
-    for name in ("fork", "upstream"):
-        root = tmp_path_factory.mktemp(name)
-        repo = copy_repo(root / "repo")
-        if name == "upstream":
-            (repo / "patches" / "series").write_text("")
-        proc = pip_wheel(repo, root / "wheel", sdist=upstream_sdist)
-        assert proc.returncode == 0, proc.stdout
-        (wheel, ) = (root / "wheel").glob("*.whl")
-        site = root / "site"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-             str(site), str(wheel)], check=True)
-        sites[name] = site
-    return sites
 
 
 def run_reproducer(site, world_size):

@@ -1,0 +1,118 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""One side of the universal checkpoint format check, run by test_universal_cross_version.py with
+whichever deepspeed is on PYTHONPATH (the fork, or the pinned upstream release):
+
+  save FOLDER            train a small model 2 steps at ZeRO-2 and ZeRO-3, save checkpoints and
+                         what a restore must reproduce (weights, the next 2 losses)
+  convert FOLDER NAME    ds_to_universal each checkpoint into FOLDER/stageN/NAME
+  load FOLDER NAME       restore FOLDER/stageN/NAME with load_universal and check it
+
+Runs as a single rank (world size 1).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+import deepspeed
+
+STAGES = (2, 3)
+HIDDEN = 16
+
+
+class Model(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(HIDDEN, 3 * HIDDEN), nn.ReLU(), nn.Linear(3 * HIDDEN, HIDDEN + 1))
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+def engine_for(stage, load_universal=False):
+    torch.manual_seed(0)
+    model = Model()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-2,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+        "checkpoint": {
+            "load_universal": load_universal
+        },
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def train(engine, seed):
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(2):
+        loss = engine(torch.randn(2, HIDDEN, generator=generator))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def weights(engine):
+    result = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            result[name] = param.detach().clone()
+    return result
+
+
+def main():
+    mode, folder = sys.argv[1], sys.argv[2]
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage in STAGES:
+        stage_folder = os.path.join(folder, f"stage{stage}")
+        if mode == "save":
+            engine = engine_for(stage)
+            train(engine, seed=1)
+            engine.save_checkpoint(stage_folder, tag="step2")
+            expected = {"weights": weights(engine), "next_losses": train(engine, seed=2)}
+            torch.save(expected, os.path.join(stage_folder, "expected.pt"))
+        elif mode == "convert":
+            from deepspeed.checkpoint.ds_to_universal import main as convert
+            convert(
+                argparse.Namespace(input_folder=os.path.join(stage_folder, "step2"),
+                                   output_folder=os.path.join(stage_folder, sys.argv[3]),
+                                   num_extract_workers=1,
+                                   num_merge_workers=1,
+                                   keep_temp_folder=False,
+                                   strict=True,
+                                   inject_missing_state=True))
+        elif mode == "load":
+            expected = torch.load(os.path.join(stage_folder, "expected.pt"))
+            engine = engine_for(stage, load_universal=True)
+            engine.load_checkpoint(stage_folder, tag=sys.argv[3])
+            restored = weights(engine)
+            for name, value in expected["weights"].items():
+                assert torch.equal(restored[name], value), f"stage {stage}: {name} differs after the restore"
+            losses = train(engine, seed=2)
+            assert losses == expected["next_losses"], f"stage {stage}: {losses} != {expected['next_losses']}"
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    print(f"OK {mode} deepspeed {deepspeed.__version__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``zero_to_fp32`` as an offline tool: the script saved into a checkpoint works on a fresh install
+(without ``huggingface_hub`` or ``safetensors``, which deepspeed does not depend on) with every
+output option, in the layout Hugging Face loaders read; a run killed half way leaves nothing a
+loader accepts, and a rerun succeeds; an incomplete checkpoint is refused with an error that names
+the file.
+
+On deepspeed 0.19.8 the script fails on a fresh install with ``ModuleNotFoundError: No module
+named 'huggingface_hub'`` (its default ``--max_shard_size 5GB``), and the tp2 checkpoint used here
+is refused outright (``Expected 1 of '*_optim_states.pt' ... found 2``).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                          get_fp32_state_dict_from_zero_checkpoint)
+
+from unit.common import DistributedTest
+from unit.checkpoint.autotp_common import initialize, llama_config, train_engine, train_reference
+
+STEPS = 2
+TAG = "step2"
+ATOL = 2e-3  # see test_autotp_zero_to_fp32.py
+SHARD = "100KB"  # the model is 0.36 MB in fp32: several shards
+
+# Makes `import huggingface_hub` and `import safetensors` fail, as on a fresh install of deepspeed.
+FRESH_INSTALL = """
+import sys
+class FreshInstall:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("huggingface_hub", "safetensors"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, FreshInstall())
+"""
+
+# Runs the saved script in a process that is SIGKILLed the N-th time it renames a finished file into
+# place (or flushes a file to disk), i.e. half way through writing its output.
+KILLED_RUN = FRESH_INSTALL + """
+import os, runpy, signal
+when, count = sys.argv.pop(1), int(sys.argv.pop(1))
+calls = []
+original = getattr(os, when)
+def killing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == count:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kwargs)
+setattr(os, when, killing)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_script(save_dir, output_dir, *options, killed_at=None):
+    script = os.path.join(save_dir, "zero_to_fp32.py")
+    if killed_at is None:
+        command = [
+            sys.executable, "-c", FRESH_INSTALL + "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')", script
+        ]
+    else:
+        command = [sys.executable, "-c", KILLED_RUN, *map(str, killed_at), script]
+    result = subprocess.run(command + [save_dir, output_dir, *options], capture_output=True, text=True)
+    if killed_at is None:
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    return result
+
+
+def load_with_transformers(output_dir):
+    from transformers import LlamaForCausalLM
+    llama_config(uneven=True).save_pretrained(output_dir)
+    return LlamaForCausalLM.from_pretrained(output_dir, dtype=torch.float32).state_dict()
+
+
+def assert_matches_reference(state_dict, reference):
+    assert {k: tuple(v.shape) for k, v in state_dict.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+    for name, expected in reference.items():
+        torch.testing.assert_close(state_dict[name].float(), expected, rtol=0, atol=ATOL, msg=name)
+
+
+def output_files(output_dir):
+    return sorted(name for name in os.listdir(output_dir) if name != "config.json")
+
+
+class TestZeroToFp32Offline(DistributedTest):
+    """A tp2 ZeRO-3 checkpoint of the small Llama (uneven splits) at world size 2."""
+    world_size = 2
+    reuse_dist_env = True
+
+    def test(self, tmpdir):
+        engine = initialize(3, 2, uneven=True)
+        train_engine(engine, 2, STEPS, uneven=True)
+        save_dir = str(tmpdir.join("checkpoint"))
+        engine.save_checkpoint(save_dir, tag=TAG)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            reference = train_reference(STEPS, uneven=True)[0].state_dict()
+            self.fresh_install_outputs(save_dir, str(tmpdir), reference)
+            self.killed_runs(save_dir, str(tmpdir), reference)
+            self.incomplete_checkpoints(save_dir)
+        dist.barrier()
+        engine.destroy()
+
+    def fresh_install_outputs(self, save_dir, tmpdir, reference):
+        # The script's defaults: one pytorch_model.bin (under the default 5GB shard size).
+        output_dir = os.path.join(tmpdir, "bin")
+        result = run_script(save_dir, output_dir)
+        assert "zero_to_fp32: wrote pytorch_model.bin" in result.stderr
+        assert output_files(output_dir) == ["pytorch_model.bin"]
+        assert_matches_reference(torch.load(os.path.join(output_dir, "pytorch_model.bin")), reference)
+        assert_matches_reference(load_with_transformers(output_dir), reference)
+
+        # Sharded safetensors.
+        output_dir = os.path.join(tmpdir, "safetensors")
+        run_script(save_dir, output_dir, "--safe_serialization", "--max_shard_size", SHARD)
+        files = output_files(output_dir)
+        shards = [name for name in files if name.endswith(".safetensors")]
+        assert len(shards) > 1 and files == shards + ["model.safetensors.index.json"]
+        assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        assert_matches_reference(load_with_transformers(output_dir), reference)
+
+        # One safetensors file, and sharded .bin, through the API (in this process, where both
+        # libraries are importable: the files do not depend on them, only the loader does).
+        for options, expected in (({
+                "safe_serialization": True,
+                "max_shard_size": None
+        }, ["model.safetensors"]), ({
+                "max_shard_size": SHARD
+        }, None)):
+            output_dir = os.path.join(tmpdir, "api-" + "-".join(map(str, options.values())))
+            convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, **options)
+            files = output_files(output_dir)
+            if expected is None:
+                shards = files[:-1]
+                assert len(shards) > 1 and files[-1] == "pytorch_model.bin.index.json"
+                assert shards == [f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin" for i in range(1, len(shards) + 1)]
+            else:
+                assert files == expected
+            assert_matches_reference(load_with_transformers(output_dir), reference)
+
+    def killed_runs(self, save_dir, tmpdir, reference):
+        from transformers import LlamaForCausalLM
+
+        # A sharded run into a folder that holds a complete earlier output, killed after its second
+        # shard is in place: neither the old nor the new output may load, the rerun must.
+        output_dir = os.path.join(tmpdir, "killed-sharded")
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, max_shard_size=SHARD)
+        run_script(save_dir, output_dir, "--max_shard_size", "150KB", killed_at=("replace", 2))
+        assert "pytorch_model.bin.index.json" not in output_files(output_dir)
+        llama_config(uneven=True).save_pretrained(output_dir)
+        with pytest.raises(OSError):
+            LlamaForCausalLM.from_pretrained(output_dir)
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, max_shard_size="150KB")
+        assert not [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
+        assert_matches_reference(load_with_transformers(output_dir), reference)
+
+        # One safetensors file, killed while flushing it: only a temporary file, no model.safetensors.
+        output_dir = os.path.join(tmpdir, "killed-single")
+        # (the first fsync() is the output folder's, after clearing it; the second the file's)
+        run_script(save_dir, output_dir, "--safe_serialization", killed_at=("fsync", 2))
+        files = output_files(output_dir)
+        assert len(files) == 1 and files[0].startswith(".model.safetensors.") and files[0].endswith(".tmp")
+        llama_config(uneven=True).save_pretrained(output_dir)
+        with pytest.raises(OSError):
+            LlamaForCausalLM.from_pretrained(output_dir)
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, safe_serialization=True)
+        assert output_files(output_dir) == ["model.safetensors"]  # and the temporary file is gone
+        assert_matches_reference(load_with_transformers(output_dir), reference)
+
+    def incomplete_checkpoints(self, save_dir):
+        for name in ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            copy = save_dir + "-truncated"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(save_dir, copy)
+            path = os.path.join(copy, TAG, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+            with pytest.raises(ValueError, match=f"Checkpoint file '{path}' is incomplete or corrupt"):
+                get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
+            with pytest.raises(ValueError, match=f"Checkpoint file '{path}' is incomplete or corrupt"):
+                convert_zero_checkpoint_to_fp32_state_dict(copy, os.path.join(copy, "out"))
+            assert not os.path.exists(os.path.join(copy, "out"))

@@ -1,0 +1,685 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Offline checkpoint tools: time, peak memory and peak extra disk of zero_to_fp32 and ds_to_universal.
+
+One run measures, on checkpoints it synthesizes itself (real ``save_checkpoint`` after one Adam step
+in fp32, gloo on CPU, saved by unpatched upstream 0.19.8 unless ``--save-with fork``):
+
+* ``autotp-z1``, ``autotp-z3``: a ``transformers`` LlamaForCausalLM built from a config, AutoTP
+  tp2 x dp2 (world size 4), ZeRO stage 1 and 3 (254M parameters at ``--scale full``);
+* ``zero3``: the same kind of Llama, plain ZeRO-3 at world size 2, built under ``zero.Init``
+  (569M parameters at ``--scale full``);
+
+and on each, for the variants ``upstream`` (0.19.8) and ``fork``, as a user runs them:
+
+* ``zero_to_fp32``: ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`` with the script of the
+  variant (the one it saves into every checkpoint) and its default options;
+* ``ds_to_universal``: ``python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG_DIR
+  --output_folder OUTPUT_DIR``, first without options; if the variant refuses for want of
+  ``--inject_missing_state``, again with it (the table says which runs needed it);
+* ``cp -r`` of the checkpoint folder, the floor; and ``python -c 'import deepspeed'`` alone, what
+  every run of a tool pays before it reads a byte.
+
+Per run: wall time of the command (process start to exit, interpreter start and imports included);
+peak RSS of its largest process (``getrusage(RUSAGE_CHILDREN).ru_maxrss`` in a wrapper process)
+and the peak proportional set size of the whole process tree (PSS summed over the tool and its
+worker processes, sampled every 50 ms; unlike summed RSS it counts pages the workers share once);
+peak extra disk (allocated blocks under a fresh scratch folder that holds the output folder and
+is the tool's TMPDIR, sampled every 50 ms; any temp folder a tool makes in or beside its output
+is counted); and the size of the output. The numbers are the medians of ``--repeats`` runs; the
+variants alternate within each repeat.
+
+Page cache: warm. Before every timed run the checkpoint is read once in full (untimed), and the
+share of its pages resident in the page cache at that moment is recorded (``fincore``); after
+every run the output is deleted and ``sync`` runs (untimed), so no run pays for the writeback of
+the one before.
+
+The variants are built from the pinned upstream sdist and this repository's patch series
+(nothing is installed); each runs from its source tree via PYTHONPATH. ``--fork-tree PATH`` runs
+the fork variant from an existing tree instead (e.g. a patch-queue worktree), and ``--fork-tree
+TOOL=PATH`` does so for one tool only (TOOL is zero_to_fp32 or ds_to_universal); such a tree is
+copied at the start, so edits made while the repeats run do not mix in. Usage, from the
+repository root:
+
+    python benchmarks/checkpoint_tools.py [--scale small|full] [--repeats 3] [--json results.json]
+
+The checkpoints are cached under ``build/bench-checkpoint-tools/checkpoints`` (15 GB at ``--scale
+full``, created in about 5 minutes; the ZeRO-3 one peaks at 10 GB of memory per rank, 20 GB in
+all); the runs need up to 18 GB more disk (upstream ds_to_universal's temp folder and output).
+At full scale with 3 repeats a run takes about 35 minutes on 2 cores. Needs torch,
+transformers and the fork's test requirements; set DS_FORK_SDIST to use a local copy of the sdist.
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = ("zero_to_fp32", "ds_to_universal")
+VARIANTS = ("upstream", "fork")
+SEQ_LEN = 16
+SAMPLE_S = 0.05
+# The model of each checkpoint kind, by scale: LlamaConfig arguments.
+LLAMA = {
+    "small": {
+        "autotp": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, vocab_size=4096),
+        "zero3": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=4096),
+    },
+    "full": {
+        "autotp": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, vocab_size=32000),
+        "zero3": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, vocab_size=32000),
+    },
+}
+# name: (model, ZeRO stage, world size, tensor-parallel size)
+CHECKPOINTS = {
+    "autotp-z1": ("autotp", 1, 4, 2),
+    "autotp-z3": ("autotp", 3, 4, 2),
+    "zero3": ("zero3", 3, 2, 1),
+}
+INJECT_HINTS = ("--inject_missing_state", "Required universal_checkpoint_info state is missing")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gb(nbytes):
+    return nbytes / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+
+
+def prepare_trees(workdir):
+    """Source trees of unpatched upstream and of the fork (the whole series), under ``workdir``."""
+    sys.path.insert(0, str(REPO))
+    from forktools.series import apply_series, read_series
+    from forktools.upstream import fetch_sdist, read_pin, unpack_sdist
+
+    pin = read_pin(REPO)
+    sdist = fetch_sdist(pin, workdir / "download")
+    trees = {}
+    for variant, patches in (("upstream", []), ("fork", read_series(REPO))):
+        # Always from the pristine sdist: a tree left by an earlier run may hold an older series.
+        shutil.rmtree(workdir / variant, ignore_errors=True)
+        tree = unpack_sdist(pin, sdist, workdir / variant)
+        apply_series(tree, patches)
+        trees[variant] = tree
+    return trees
+
+
+def parse_fork_trees(values):
+    """``--fork-tree PATH`` (both tools) and ``--fork-tree TOOL=PATH`` -> {tool: Path}."""
+    chosen = {}
+    for value in values or []:
+        tool, sep, path = value.partition("=")
+        if not sep:
+            tool, path = None, value
+        elif tool not in TOOLS:
+            sys.exit(f"--fork-tree {value}: the tool must be one of {', '.join(TOOLS)}")
+        path = Path(path).resolve()
+        if not (path / "deepspeed" / "__init__.py").is_file():
+            sys.exit(f"--fork-tree {value}: {path} holds no deepspeed package")
+        for name in ([tool] if tool else TOOLS):
+            chosen[name] = path
+    return chosen
+
+
+def tree_description(tree):
+    """The tree and, for a git tree, its commit (a helper's queue tree changes while it works)."""
+    proc = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL,
+                          text=True)
+    head = proc.stdout.strip() if proc.returncode == 0 else ""
+    if head:
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               stdout=subprocess.PIPE,
+                               text=True).stdout.strip()
+        head += " (+ uncommitted changes)" if dirty else ""
+    return f"{tree}" + (f" at {head}" if head else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def llama_config(model, scale):
+    from transformers import LlamaConfig
+    return LlamaConfig(num_attention_heads=16 if scale == "full" else 8,
+                       num_key_value_heads=8 if scale == "full" else 4,
+                       max_position_embeddings=2 * SEQ_LEN,
+                       tie_word_embeddings=False,
+                       **LLAMA[scale][model])
+
+
+def log_memory(phase):
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    print(f"rank {os.environ.get('RANK')}: {phase}: RSS {fields['VmRSS'].strip()}, peak {fields['VmHWM'].strip()}",
+          flush=True)
+
+
+def create_worker(kind, scale, save_dir):
+    """One rank of the run that trains one step and saves the checkpoint ``kind``."""
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from transformers import LlamaForCausalLM
+
+    model_name, stage, world_size, tp_size = CHECKPOINTS[kind]
+    deepspeed.init_distributed()
+    assert dist.get_world_size() == world_size, f"{kind} needs world size {world_size}"
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-4,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage,
+            # The defaults (5e8 elements for the reduce bucket, 1e9 live parameters) would hold up to
+            # 6 GB more per rank than the optimizer states of the largest checkpoint.
+            "reduce_bucket_size": 5e7,
+            "allgather_bucket_size": 5e7,
+            "stage3_prefetch_bucket_size": 5e7,
+            "stage3_max_live_parameters": 1e8,
+            "stage3_max_reuse_distance": 1e8,
+        },
+    }
+    if tp_size > 1:
+        config["tensor_parallel"] = {"autotp_size": tp_size}
+    torch.manual_seed(1234)
+    llama = llama_config(model_name, scale)
+    if tp_size == 1 and stage == 3:
+        # Partitioned as it is built: the full model never exists on one rank.
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = LlamaForCausalLM(llama)
+        num_params = sum(p.ds_numel for p in model.parameters())
+    else:
+        model = LlamaForCausalLM(llama)
+        num_params = sum(p.numel() for p in model.parameters())
+    log_memory("model built")
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    log_memory("engine initialized")
+    generator = torch.Generator().manual_seed(dist.get_rank() // tp_size)
+    ids = torch.randint(0, llama.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    log_memory("one step")
+    engine.save_checkpoint(save_dir, tag="step1")
+    log_memory("saved")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"num_params": num_params}), flush=True)
+    dist.destroy_process_group()
+
+
+def du(path):
+    """Allocated bytes under ``path`` (files that vanish while it walks are skipped)."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def ensure_checkpoint(kind, scale, workdir, save_tree, save_variant, ext_dir):
+    """The cached checkpoint ``kind``, created on first use; returns its metadata."""
+    model_name, stage, world_size, tp_size = CHECKPOINTS[kind]
+    base = workdir / "checkpoints" / scale
+    save_dir, meta_file = base / kind, base / f"{kind}.json"
+    recipe = {
+        "kind": kind,
+        "llama": LLAMA[scale][model_name],
+        "stage": stage,
+        "world_size": world_size,
+        "tp_size": tp_size,
+        "saved_by": save_variant,
+        "seq_len": SEQ_LEN
+    }
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("recipe") == recipe and save_dir.is_dir():
+            return meta
+    shutil.rmtree(save_dir, ignore_errors=True)
+    meta_file.unlink(missing_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
+    print(f"creating the {scale} checkpoint {kind} (saved by {save_variant}) ...", flush=True)
+    env = dict(os.environ, PYTHONPATH=str(save_tree), TORCH_EXTENSIONS_DIR=str(ext_dir / save_variant))
+    # Allocations of 128 KiB and more come from mmap and go back to the system when freed: glibc's
+    # heap would keep the transient copies of ZeRO-3's initialization (parameter partitions,
+    # flattening) resident, about twice the memory the run needs.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+        str(world_size), "--master_port",
+        str(free_port()), __file__, "--create", kind, "--scale", scale, "--save-dir",
+        str(save_dir)
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    (base / f"{kind}.log").write_text(proc.stdout)
+    if proc.returncode != 0 or result is None:
+        errors = [line for line in proc.stdout.splitlines() if re.search(r"(Error|Exception)\b", line)]
+        sys.exit(f"creating the checkpoint {kind} failed (log: {base / f'{kind}.log'}):\n" + "\n".join(errors[-10:]))
+    meta = dict(recipe=recipe,
+                num_params=result["num_params"],
+                bytes=du(save_dir),
+                files=sum(len(files) for _, _, files in os.walk(save_dir)),
+                create_s=time.perf_counter() - start)
+    meta_file.write_text(json.dumps(meta, indent=2))
+    print(f"  {meta['num_params'] / 1e6:.1f}M parameters, {gb(meta['bytes']):.2f} GB, "
+          f"{meta['create_s']:.0f} s",
+          flush=True)
+    return meta
+
+
+def warm(save_dir):
+    """Read every file of the checkpoint once; return the share of its pages then in the page cache."""
+    paths = [Path(root) / name for root, _, files in os.walk(save_dir) for name in files]
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+    if not shutil.which("fincore"):
+        return None
+    proc = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE"] +
+                          [str(p) for p in paths],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL,
+                          text=True)
+    resident = size = 0
+    for line in proc.stdout.splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            resident += int(fields[0])
+            size += int(fields[1])
+    return resident / size if size else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one command
+
+
+def process_tree(root_pid):
+    """Pids of ``root_pid`` and all its descendants (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack.extend(children.get(pid, []))
+    return tree
+
+
+def pss_bytes(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure(cmd, scratch, log_file):
+    """Run ``cmd`` (the --measure wrapper side): time, peak tree PSS, peak disk under ``scratch``."""
+    env = dict(os.environ, TMPDIR=str(scratch))
+    peak = {"pss": 0, "disk": 0}
+    statvfs = os.statvfs(scratch)
+    free_before = statvfs.f_bavail * statvfs.f_frsize
+    min_free = free_before
+    done = threading.Event()
+
+    def sample(pid):
+        nonlocal min_free
+        while not done.is_set():
+            peak["pss"] = max(peak["pss"], sum(pss_bytes(p) for p in process_tree(pid)))
+            peak["disk"] = max(peak["disk"], du(scratch))
+            st = os.statvfs(scratch)
+            min_free = min(min_free, st.f_bavail * st.f_frsize)
+            done.wait(SAMPLE_S)
+
+    with open(log_file, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler = threading.Thread(target=sample, args=(proc.pid, ), daemon=True)
+        sampler.start()
+        returncode = proc.wait()
+        elapsed = time.perf_counter() - start
+        done.set()
+        sampler.join()
+    peak["disk"] = max(peak["disk"], du(scratch))
+    return {
+        "returncode": returncode,
+        "seconds": elapsed,
+        "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "peak_pss": peak["pss"],
+        "peak_disk": peak["disk"],
+        "df_delta": free_before - min_free,
+    }
+
+
+def run_measured(cmd, env, scratch, log_file):
+    """Run ``cmd`` under the wrapper (its own process, so RUSAGE_CHILDREN covers this command only)."""
+    wrapper = [sys.executable, __file__, "--measure", "--scratch", str(scratch), "--log", str(log_file), "--"]
+    proc = subprocess.run(wrapper + cmd, env=env, cwd=scratch, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("MEASURE "):
+            return json.loads(line[len("MEASURE "):])
+    sys.exit(f"the measuring wrapper failed on {' '.join(cmd)}: {proc.stdout[-2000:]}")
+
+
+def error_line(log_file):
+    """The exception line of a failed run (the last ``SomethingError: ...`` line), or its last line."""
+    lines = [line.strip() for line in Path(log_file).read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Exit)\b", line):
+            return line[:200]
+    return (lines[-1] if lines else "no output")[:200]
+
+
+def tool_command(tool, script, checkpoint_dir, output_dir, inject):
+    if tool == "import deepspeed":
+        return [sys.executable, "-c", "import deepspeed"]
+    if tool == "cp -r":
+        return ["cp", "-r", str(checkpoint_dir), str(output_dir)]
+    if tool == "zero_to_fp32":
+        return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)]
+    tag_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+        str(tag_dir), "--output_folder",
+        str(output_dir)
+    ]
+    return cmd + (["--inject_missing_state"] if inject else [])
+
+
+def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat):
+    """One timed run; returns the measurement (``error`` set if the tool failed)."""
+    scratch = runs_dir / "scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    prefix = checkpoint_dir.name if checkpoint_dir else "none"
+    log_file = runs_dir / f"{prefix}-{tool.replace(' ', '')}-{variant}-{repeat}.log"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir / variant))
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    output_dir = scratch / "out"
+    script = None
+    if tool == "zero_to_fp32":
+        # The copy that save_checkpoint writes next to the tag folders, run as users run it (from its
+        # own folder: run in place, deepspeed/utils would shadow the standard library's ``types``).
+        script = runs_dir / "scripts" / variant / "zero_to_fp32.py"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / "deepspeed" / "utils" / "zero_to_fp32.py", script)
+    result = run_measured(tool_command(tool, script, checkpoint_dir, output_dir, inject), env, scratch, log_file)
+    result["output_bytes"] = du(output_dir)
+    result["inject_missing_state"] = inject
+    result["log"] = str(log_file)
+    if result["returncode"] != 0:
+        result["error"] = error_line(log_file).replace(str(checkpoint_dir), "CHECKPOINT")
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.sync()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def median_of(runs, key):
+    return statistics.median(run[key] for run in runs)
+
+
+def summarize(runs):
+    ok = [run for run in runs if "error" not in run]
+    if not ok:
+        return {
+            "error": runs[0]["error"],
+            "returncode": runs[0]["returncode"],
+            "inject_missing_state": runs[0]["inject_missing_state"]
+        }
+    return {
+        "runs": len(ok),
+        "seconds": median_of(ok, "seconds"),
+        "seconds_all": [run["seconds"] for run in ok],
+        "maxrss": median_of(ok, "maxrss"),
+        "peak_pss": median_of(ok, "peak_pss"),
+        "peak_disk": median_of(ok, "peak_disk"),
+        "output_bytes": median_of(ok, "output_bytes"),
+        "inject_missing_state": ok[0]["inject_missing_state"],
+    }
+
+
+def table_row(kind, meta, tool, variant, summary, cp_seconds):
+    label = tool if tool == "cp -r" else f"`{tool}`"
+    if tool == "ds_to_universal" and summary.get("inject_missing_state"):
+        label += " `--inject_missing_state`"
+    head = f"| {kind} | {label} | {variant} |"
+    if "error" in summary:
+        return f"{head} exits with {summary['returncode']}: `{summary['error']}` | | | | | |"
+    spread = ", ".join(f"{s:.1f}" for s in summary["seconds_all"])
+    return (f"{head} {summary['seconds']:.2f} ({spread}) | {summary['seconds'] / cp_seconds:.1f}x | "
+            f"{gb(summary['maxrss']):.2f} | {gb(summary['peak_pss']):.2f} | {gb(summary['peak_disk']):.2f} | "
+            f"{gb(summary['output_bytes']):.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(LLAMA), default="full", help="model sizes (small: to try it out)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each tool and variant (median)")
+    parser.add_argument("--checkpoints",
+                        default=",".join(CHECKPOINTS),
+                        help=f"comma-separated subset of {', '.join(CHECKPOINTS)}")
+    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {', '.join(TOOLS)}")
+    parser.add_argument("--fork-tree",
+                        action="append",
+                        metavar="[TOOL=]PATH",
+                        help="run the fork variant from this source tree instead of building it from patches/ "
+                        "(repeatable; TOOL= limits it to zero_to_fp32 or ds_to_universal)")
+    parser.add_argument("--save-with",
+                        choices=VARIANTS,
+                        default="upstream",
+                        help="the variant that saves the checkpoints (default: unpatched upstream, what "
+                        "users' checkpoints are)")
+    parser.add_argument("--create-only",
+                        action="store_true",
+                        help="create (or check) the checkpoints, measure nothing")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-checkpoint-tools"))
+    parser.add_argument("--create", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--save-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)
+    parser.add_argument("command", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.create:
+        create_worker(args.create, args.scale, args.save_dir)
+        return
+    if args.measure:
+        print("MEASURE " + json.dumps(measure(args.command, Path(args.scratch), args.log)), flush=True)
+        return
+
+    kinds = [k for k in args.checkpoints.split(",") if k]
+    tools = [t for t in args.tools.split(",") if t]
+    for name in kinds:
+        if name not in CHECKPOINTS:
+            sys.exit(f"--checkpoints: unknown checkpoint {name!r}")
+    for name in tools:
+        if name not in TOOLS:
+            sys.exit(f"--tools: unknown tool {name!r}")
+    fork_trees = parse_fork_trees(args.fork_tree)
+    workdir = Path(args.work_dir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    built = prepare_trees(workdir / "trees")
+    ext_dir = workdir / "torch-extensions"
+    runs_dir = workdir / "runs"
+    shutil.rmtree(runs_dir, ignore_errors=True)
+    runs_dir.mkdir()
+    descriptions = {tree: tree_description(tree) for tree in set(fork_trees.values())}
+    snapshots = {}
+    for tree in descriptions:
+        # A snapshot: a tree someone works in may change while the repeats run.
+        snapshots[tree] = workdir / "trees" / f"snapshot-{len(snapshots)}"
+        shutil.rmtree(snapshots[tree], ignore_errors=True)
+        shutil.copytree(tree,
+                        snapshots[tree],
+                        symlinks=True,
+                        ignore=shutil.ignore_patterns(".git", "build", "dist", "__pycache__", "*.egg-info"))
+    fork_trees = {tool: snapshots[tree] for tool, tree in fork_trees.items()}
+    descriptions = {snapshots[tree]: f"{text} (snapshot: {snapshots[tree]})" for tree, text in descriptions.items()}
+    trees = {tool: {"upstream": built["upstream"], "fork": fork_trees.get(tool, built["fork"])} for tool in TOOLS}
+    head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h"], stdout=subprocess.PIPE,
+                          text=True).stdout.strip()
+    built_description = {
+        "upstream": "the pinned upstream sdist, unpatched",
+        "fork": f"the pinned upstream sdist + patches/series of {REPO} at {head or 'its working tree'}",
+    }
+
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine":
+        f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "scale": args.scale,
+        "repeats": args.repeats,
+        "saved_by": args.save_with,
+        "trees": {
+            tool: {
+                v: descriptions.get(t, built_description[v])
+                for v, t in trees[tool].items()
+            }
+            for tool in tools
+        },
+        "checkpoints": {},
+    }
+    for tool in tools:
+        for variant in VARIANTS:
+            print(f"{tool} {variant}: {results['trees'][tool][variant]}")
+    metas = {
+        kind: ensure_checkpoint(kind, args.scale, workdir, built[args.save_with], args.save_with, ext_dir)
+        for kind in kinds
+    }
+    if args.create_only:
+        return
+
+    # What every run of a tool pays before it reads a byte: the interpreter and the imports.
+    results["import_deepspeed"] = {}
+    for variant in VARIANTS:
+        runs = [
+            run_tool("import deepspeed", variant, built[variant], None, runs_dir, ext_dir, False, r)
+            for r in range(args.repeats)
+        ]
+        summary = summarize(runs)
+        if "error" in summary:
+            sys.exit(f"python -c 'import deepspeed' fails on {variant}: {summary['error']}")
+        results["import_deepspeed"][variant] = dict(summary, all=runs)
+        print(
+            f"python -c 'import deepspeed', {variant}: {summary['seconds']:.2f} s, "
+            f"peak RSS {gb(summary['maxrss']):.2f} GB",
+            flush=True)
+
+    print("\n| checkpoint | tool | variant | time s: median (runs) | x cp -r | peak RSS GB, largest process "
+          "| peak PSS GB, process tree | peak extra disk GB | output GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind in kinds:
+        meta = metas[kind]
+        checkpoint_dir = workdir / "checkpoints" / args.scale / kind
+        entry = {"meta": meta, "page_cache_resident": [], "tools": {}}
+        results["checkpoints"][kind] = entry
+        print(
+            f"| {kind}: {meta['num_params'] / 1e6:.1f}M parameters, {gb(meta['bytes']):.2f} GB, "
+            f"{meta['files']} files | | | | | | | | |",
+            flush=True)
+
+        def timed(tool, variant, tree, inject, repeat):
+            entry["page_cache_resident"].append(warm(checkpoint_dir))
+            return run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat)
+
+        cp_runs = [timed("cp -r", "-", None, False, r) for r in range(args.repeats)]
+        cp = summarize(cp_runs)
+        if "error" in cp:
+            sys.exit(f"cp -r failed: {cp['error']}")
+        entry["tools"]["cp -r"] = {"-": dict(cp, all=cp_runs)}
+        print(table_row(kind, meta, "cp -r", "-", cp, cp["seconds"]), flush=True)
+        for tool in tools:
+            runs = {variant: [] for variant in VARIANTS}
+            inject = {variant: False for variant in VARIANTS}
+            for repeat in range(args.repeats):
+                for variant in VARIANTS:
+                    if runs[variant] and "error" in runs[variant][-1]:
+                        continue  # refused: once is enough
+                    result = timed(tool, variant, trees[tool][variant], inject[variant], repeat)
+                    if (tool == "ds_to_universal" and "error" in result and not inject[variant]
+                            and any(hint in Path(result["log"]).read_text(errors="replace") for hint in INJECT_HINTS)):
+                        # What a user does next: the tool names the option.
+                        inject[variant] = True
+                        result = timed(tool, variant, trees[tool][variant], True, repeat)
+                    runs[variant].append(result)
+            entry["tools"][tool] = {}
+            for variant in VARIANTS:
+                summary = summarize(runs[variant])
+                entry["tools"][tool][variant] = dict(summary, all=runs[variant])
+                print(table_row(kind, meta, tool, variant, summary, cp["seconds"]), flush=True)
+        resident = [r for r in entry["page_cache_resident"] if r is not None]
+        if resident:
+            print(
+                f"| {kind}: checkpoint pages resident before the timed runs: "
+                f"{100 * min(resident):.0f}-{100 * max(resident):.0f} % | | | | | | | | |",
+                flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -57,7 +57,10 @@ def ds_config(stage, tp_size, dtype=torch.float32, load_universal=False):
             "type": "Adam",
             "params": {
                 "lr": LR,
-                "torch_adam": True
+                "torch_adam": True,
+                # DeepSpeed's "Adam" is AdamW (torch's default weight decay 0.01) unless this is off;
+                # the reference trains with torch.optim.Adam.
+                "adam_w_mode": False
             }
         },
         "zero_optimization": {
@@ -118,7 +121,8 @@ def train_engine(engine, tp_size, steps, uneven=False, first_step=0):
 
 def train_reference(steps, uneven=False):
     """The same model trained in this process alone, on the whole global batches, with torch's Adam
-    (what ``torch_adam: True`` runs inside DeepSpeed). Returns the model and its losses."""
+    (what ``torch_adam: True`` with ``adam_w_mode: False`` runs inside DeepSpeed). Returns the
+    model and its losses."""
     model = build_model(uneven)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []

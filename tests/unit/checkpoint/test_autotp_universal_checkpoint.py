@@ -26,13 +26,12 @@ import sys
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils import groups
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import build_model, ds_config, train_engine, train_reference
+from unit.checkpoint.autotp_common import initialize, train_engine, train_reference
 
 # (tp, dp) of each layout.
 TOPOLOGIES = {"tp1dp2": (1, 2), "tp2dp1": (2, 1), "tp2dp2": (2, 2)}
@@ -63,16 +62,6 @@ def ucp_cache(tmp_path_factory):
 
 def source_dir(cache, source):
     return os.path.join(cache, source)
-
-
-def initialize(stage, tp_size, uneven=False, load_universal=False):
-    model = build_model(uneven)
-    config = ds_config(stage, tp_size, load_universal=load_universal)
-    # The reference trains with torch.optim.Adam; DeepSpeed's "Adam" is AdamW (weight decay 0.01)
-    # unless adam_w_mode is off.
-    config["optimizer"]["params"]["adam_w_mode"] = False
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    return engine
 
 
 def reset_parallel_groups():

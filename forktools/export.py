@@ -56,7 +56,8 @@ def topics_of(repo, patches):
         name = patch.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", patch.name)
         topic = topics.setdefault(name, Topic(name))
         topic.patches.append(patch)
-        topic.tests += patch.dep3.get("Upstream-Tests", "").split()
+        # Several patches of one topic may name the same test file; the topic adds it once.
+        topic.tests += [test for test in patch.dep3.get("Upstream-Tests", "").split() if test not in topic.tests]
         topic.depends_on += [dep for dep in patch.dep3.get("Depends-On", "").split() if dep not in topic.depends_on]
     for topic in topics.values():
         for dep in topic.depends_on:

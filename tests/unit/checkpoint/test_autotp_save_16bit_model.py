@@ -51,7 +51,7 @@ def save_and_load(engine, tmpdir, name, **kwargs):
             assert [(p.data_ptr(), tuple(p.shape)) for p in engine.module.parameters()] == local
     if dist.get_rank() != 0:
         return None
-    saved = torch.load(os.path.join(str(tmpdir), name))
+    saved = torch.load(os.path.join(str(tmpdir), name), map_location="cpu")
     if consolidated is not None:
         assert_equal(consolidated, saved)
     return saved

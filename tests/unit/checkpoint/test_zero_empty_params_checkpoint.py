@@ -147,7 +147,7 @@ class TestZeroEmptyParamsCheckpoint(DistributedTest):
 
         if dist.get_rank() == 0:
             # save_16bit_model: the model's keys and shapes, the trained values.
-            assert_same_tensors(torch.load(os.path.join(save_dir, "model_16bit.bin")), trained)
+            assert_same_tensors(torch.load(os.path.join(save_dir, "model_16bit.bin"), map_location="cpu"), trained)
 
             # zero_to_fp32, API: the fp32 master weights, which round to the trained parameters.
             state_dict = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="step2")

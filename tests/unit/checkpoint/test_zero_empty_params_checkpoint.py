@@ -176,7 +176,7 @@ class TestZeroEmptyParamsCheckpoint(DistributedTest):
             for name, shape in expected_shapes.items():
                 universal = torch.load(os.path.join(save_dir, "step2_universal", "zero", name, "fp32.pt"),
                                        weights_only=False)
-                # ZeRO-3 conversion writes sized parameters flattened, as a bare tensor.
+                # 0.19.8's ZeRO-3 conversion wrote sized parameters flattened, as a bare tensor.
                 universal = universal["param"] if isinstance(universal, dict) else universal
                 assert universal.numel() == state_dict[name].numel(), name
                 assert torch.equal(universal.view(shape), state_dict[name]), name

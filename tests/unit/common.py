@@ -196,6 +196,20 @@ def _import_test_module(name, path, rewrite_asserts):
         raise
 
 
+def _release_model_parallel_groups():
+    """Forget the tensor/model-parallel groups a test left in ``deepspeed.utils.groups``.
+
+    DeepSpeed keeps them in module globals. On a reused worker the next test would inherit them: an
+    engine built without tensor parallelism after an AutoTP one then sees a model-parallel world size
+    of 2 and asks a missing ``mpu`` for its rank. Only references are dropped; nothing is destroyed.
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None or not hasattr(groups, "_release_process_group_references"):
+        return
+    if any(getattr(groups, name, None) is not None for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device")):
+        groups._release_process_group_references(None)
+
+
 def _run_task(task, rank, world_size, port, set_env):
     """Run one test method on this rank and return its outcome as a picklable tuple."""
     try:
@@ -218,6 +232,8 @@ def _run_task(task, rank, world_size, port, set_env):
         # leave it out so that the report starts at the test.
         tb = exc.__traceback__.tb_next or exc.__traceback__
         return ("failed", "".join(traceback.format_exception(type(exc), exc, tb)))
+    finally:
+        _release_model_parallel_groups()
 
 
 def _worker_main(rank, world_size, port, backend, init_distributed, set_env, conn, environ, cwd):

@@ -48,7 +48,6 @@ def build_model(uneven=False, dtype=torch.float32):
 def ds_config(stage, tp_size, dtype=torch.float32, load_universal=False):
     config = {
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": None,
         "gradient_accumulation_steps": 1,
         # The default (1.0) would clip differently per topology: the reference does not clip.
         "gradient_clipping": 0.0,
@@ -74,7 +73,6 @@ def ds_config(stage, tp_size, dtype=torch.float32, load_universal=False):
             "load_universal": load_universal
         },
     }
-    del config["train_micro_batch_size_per_gpu"]
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     return config

@@ -16,59 +16,18 @@ Runs as a single rank (world size 1).
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 import deepspeed
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The model, config and training of the fork's own streaming test.
+from unit.checkpoint.test_ds_to_universal_streaming import make_engine, train  # noqa: E402
+
 STAGES = (2, 3)
-HIDDEN = 16
-
-
-class Model(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(HIDDEN, 3 * HIDDEN), nn.ReLU(), nn.Linear(3 * HIDDEN, HIDDEN + 1))
-
-    def forward(self, x):
-        return self.layers(x).square().mean()
-
-
-def engine_for(stage, load_universal=False):
-    torch.manual_seed(0)
-    model = Model()
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": 0.0,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage
-        },
-        "checkpoint": {
-            "load_universal": load_universal
-        },
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
-
-
-def train(engine, seed):
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(2):
-        loss = engine(torch.randn(2, HIDDEN, generator=generator))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+STEPS = 2
 
 
 def weights(engine):
@@ -85,10 +44,10 @@ def main():
     for stage in STAGES:
         stage_folder = os.path.join(folder, f"stage{stage}")
         if mode == "save":
-            engine = engine_for(stage)
-            train(engine, seed=1)
+            engine = make_engine(stage)
+            train(engine, STEPS, seed=1)
             engine.save_checkpoint(stage_folder, tag="step2")
-            expected = {"weights": weights(engine), "next_losses": train(engine, seed=2)}
+            expected = {"weights": weights(engine), "next_losses": train(engine, STEPS, seed=2)}
             torch.save(expected, os.path.join(stage_folder, "expected.pt"))
         elif mode == "convert":
             from deepspeed.checkpoint.ds_to_universal import main as convert
@@ -102,12 +61,12 @@ def main():
                                    inject_missing_state=True))
         elif mode == "load":
             expected = torch.load(os.path.join(stage_folder, "expected.pt"))
-            engine = engine_for(stage, load_universal=True)
+            engine = make_engine(stage, load_universal=True)
             engine.load_checkpoint(stage_folder, tag=sys.argv[3])
             restored = weights(engine)
             for name, value in expected["weights"].items():
                 assert torch.equal(restored[name], value), f"stage {stage}: {name} differs after the restore"
-            losses = train(engine, seed=2)
+            losses = train(engine, STEPS, seed=2)
             assert losses == expected["next_losses"], f"stage {stage}: {losses} != {expected['next_losses']}"
         else:
             raise SystemExit(f"unknown mode {mode}")

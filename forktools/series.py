@@ -191,3 +191,21 @@ def explain_failure(patch, git_apply_output):
 def apply_series(tree, patches):
     for patch in patches:
         apply_patch(tree, patch)
+        mirror_linked_files(tree, patch)
+
+
+# In upstream's repository deepspeed/ops/csrc and deepspeed/ops/op_builder are symbolic links to the
+# top-level csrc/ and op_builder/; the sdist holds copies, and the wheel installs the copies. Patches
+# change the top-level files, as upstream pull requests do, so the build copies them over.
+LINKED_DIRS = ("csrc", "op_builder")
+
+
+def mirror_linked_files(tree, patch):
+    for target in dict.fromkeys(target for target, _, _, _ in hunks(patch.path)):
+        if target.split("/", 1)[0] in LINKED_DIRS:
+            copy = tree / "deepspeed" / "ops" / target
+            if (tree / target).exists():
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tree / target, copy)
+            else:
+                copy.unlink(missing_ok=True)

@@ -27,10 +27,13 @@ def test_wheel_carries_the_series_and_a_local_version(repo_copy, upstream_sdist,
     with zipfile.ZipFile(wheel) as zf:
         info = zf.read("deepspeed/fork_info_installed.py").decode()
         coordinator = zf.read("deepspeed/runtime/zero/partitioned_param_coordinator.py").decode()
+        shm_op = zf.read("deepspeed/ops/csrc/cpu/comm/shm_interface.cpp").decode()
     assert "base_version = '0.19.8'" in info
     for patch in patches:
         assert patch.name in info
     assert "if pending_params:" in coordinator
+    # Patches change csrc/, a symbolic link's target in upstream's repository; the wheel installs the copy.
+    assert "unlink_workspace" in shm_op
     assert tree_files(repo_copy) == before, "the build wrote into the source tree"
 
 

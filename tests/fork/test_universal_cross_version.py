@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unit.common import get_master_port, remove_shm_segments
+from conftest import remove_shm_segments
+from unit.common import get_master_port
 
 SCRIPT = Path(__file__).with_name("universal_cross_version.py")
 

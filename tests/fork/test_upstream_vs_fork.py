@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from unit.common import get_master_port, remove_shm_segments
+from conftest import remove_shm_segments
+from unit.common import get_master_port
 
 REPRODUCER = Path(__file__).with_name("zero3_reproducer.py")
 

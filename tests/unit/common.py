@@ -30,7 +30,6 @@ skipped, xfailed or a formatted traceback). The parent turns the per-rank outcom
 
 import ast
 import atexit
-import glob
 import importlib
 import importlib.util
 import multiprocessing
@@ -336,20 +335,6 @@ def _kill_process_tree(proc):
     proc.join(timeout=10)
 
 
-def remove_shm_segments(port):
-    """Remove the shared-memory buffers DeepSpeed's CPU comm op made for the process group on ``port``.
-
-    The op (csrc/cpu/comm/shm.cpp) creates one /dev/shm segment of about 66 MB per rank, named after the
-    master address and port, and never unlinks it; a test session starts many process groups, and the
-    segments would otherwise fill the machine's memory. Call only once the group's ranks have exited.
-    """
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 def _describe_exit(exitcode):
     if exitcode is not None and exitcode < 0:
         try:
@@ -373,7 +358,6 @@ class _WorkerPool:
         self.set_dist_env = set_dist_env
         self.procs = []
         self.conns = []
-        self.port = None
 
     def start(self):
         """Start the ranks and wait until every one has initialised. Returns an error message or None."""
@@ -386,7 +370,7 @@ class _WorkerPool:
 
     def _start_once(self):
         ctx = _get_mp_context()
-        port = self.port = get_master_port()
+        port = get_master_port()
         environ = dict(os.environ)
         cwd = os.getcwd()
         self.procs, self.conns = [], []
@@ -465,9 +449,6 @@ class _WorkerPool:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
-        if self.port is not None:
-            remove_shm_segments(self.port)
-            self.port = None
 
     def close(self, timeout=SHUTDOWN_TIMEOUT):
         """Ask the workers to tear down their process group and exit; kill the ones that do not."""

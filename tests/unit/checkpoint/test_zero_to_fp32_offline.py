@@ -5,9 +5,10 @@
 """``zero_to_fp32`` as an offline tool: the script saved into a checkpoint works on a fresh install
 (without ``huggingface_hub`` or ``safetensors``, which deepspeed does not depend on) with every
 output option, in the layout Hugging Face loaders read; a run killed half way leaves nothing a
-loader accepts, and a rerun succeeds; an incomplete checkpoint is refused with an error that names
-the file. The script does not import deepspeed's runtime (which doubles its start-up time), and the
-.bin files it writes (their zip checksums computed by zlib, not torch.save) pass a zip check.
+loader accepts, and a rerun succeeds; every rank converting into one folder at once gives one
+complete output; an incomplete checkpoint is refused with an error that names the file. The
+script does not import deepspeed's runtime (which doubles its start-up time), and the .bin files
+it writes (their zip checksums computed by zlib, not torch.save) pass a zip check.
 
 On deepspeed 0.19.8 the script fails on a fresh install with ``ModuleNotFoundError: No module
 named 'huggingface_hub'`` (its default ``--max_shard_size 5GB``), and the tp2 checkpoint used here
@@ -114,8 +115,16 @@ class TestZeroToFp32Offline(DistributedTest):
         save_dir = str(tmpdir.join("checkpoint"))
         engine.save_checkpoint(save_dir, tag=TAG)
         dist.barrier()
+        # Every rank converts into the same folder, as training scripts often do.
+        every_rank = {str(tmpdir.join("every-rank")): "5GB", str(tmpdir.join("every-rank-sharded")): SHARD}
+        for output_dir, max_shard_size in every_rank.items():
+            convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, max_shard_size=max_shard_size)
+        dist.barrier()
         if dist.get_rank() == 0:
             reference = train_reference(STEPS, uneven=True)[0].state_dict()
+            for output_dir in every_rank:
+                assert not [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
+                assert_matches_reference(load_with_transformers(output_dir), reference)
             self.fresh_install_outputs(save_dir, str(tmpdir), reference)
             self.killed_runs(save_dir, str(tmpdir), reference)
             self.incomplete_checkpoints(save_dir)

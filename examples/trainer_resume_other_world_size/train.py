@@ -1,0 +1,116 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Train a small Llama with the Hugging Face Trainer and a ZeRO DeepSpeed config, saving a
+checkpoint every ``--save_steps`` steps; ``--resume_from_checkpoint`` resumes from one.
+
+The workflow in docs/resume-other-world-size.md: train on 2 ranks, convert the checkpoint with
+ds_to_universal, resume on 1 rank with ``--load_universal``:
+
+    deepspeed --num_accelerators 2 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 2
+    python -m deepspeed.checkpoint.ds_to_universal --input_folder out/checkpoint-2/global_step2 \\
+        --output_folder out/checkpoint-2/global_step2_universal
+    deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \\
+        --resume_from_checkpoint out/checkpoint-2 --load_universal
+
+With ``--check_resumed_weights`` the resumed run checks, before its first step, that its weights
+are those of the checkpoint (as zero_to_fp32 reads them), and prints ``resumed weights match``.
+"""
+
+import argparse
+
+import torch
+import transformers
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+SEQ_LEN = 16
+VOCAB = 64
+
+
+class TokenDataset(torch.utils.data.Dataset):
+
+    def __init__(self, size=64):
+        self.input_ids = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return len(self.input_ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.input_ids[index], "labels": self.input_ids[index]}
+
+
+class CheckResumedWeights(transformers.TrainerCallback):
+    """At the start of training, after the Trainer has loaded the checkpoint."""
+
+    def __init__(self, checkpoint):
+        self.expected = get_fp32_state_dict_from_zero_checkpoint(checkpoint)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        params = dict(model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            for name, param in params.items():
+                assert torch.equal(param.detach().cpu(), self.expected[name]), name
+        if dist.get_rank() == 0:
+            print("resumed weights match", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--zero_stage", type=int, default=2)
+    parser.add_argument("--max_steps", type=int, required=True)
+    parser.add_argument("--save_steps", type=int, default=2)
+    parser.add_argument("--resume_from_checkpoint")
+    parser.add_argument("--load_universal", action="store_true")
+    parser.add_argument("--check_resumed_weights", action="store_true")
+    args, _ = parser.parse_known_args()  # the launcher adds --local_rank
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": "auto",
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": args.zero_stage
+        },
+        "checkpoint": {
+            "load_universal": args.load_universal
+        },
+    }
+    training_args = transformers.TrainingArguments(output_dir=args.output_dir,
+                                                   use_cpu=True,
+                                                   deepspeed=ds_config,
+                                                   per_device_train_batch_size=2,
+                                                   max_steps=args.max_steps,
+                                                   learning_rate=1e-2,
+                                                   save_strategy="steps",
+                                                   save_steps=args.save_steps,
+                                                   logging_steps=1,
+                                                   report_to=[])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=VOCAB,
+                                 hidden_size=32,
+                                 intermediate_size=64,
+                                 num_hidden_layers=2,
+                                 num_attention_heads=4,
+                                 num_key_value_heads=2,
+                                 max_position_embeddings=SEQ_LEN))
+    callbacks = []
+    if args.check_resumed_weights:
+        callbacks.append(CheckResumedWeights(args.resume_from_checkpoint))
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=TokenDataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+
+
+if __name__ == "__main__":
+    main()

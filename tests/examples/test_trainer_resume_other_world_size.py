@@ -1,0 +1,44 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""docs/resume-other-world-size.md, run as a user would: the Hugging Face Trainer trains on 2 ranks
+and saves, ds_to_universal converts the checkpoint, and the Trainer resumes on 1 rank with
+``load_universal``, from exactly the saved weights, and trains on to its next save."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unit.common import get_master_port
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "trainer_resume_other_world_size" / "train.py"
+
+
+def run(*command):
+    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+def deepspeed_launcher(num_ranks, *args):
+    return run(sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(num_ranks),
+               "--master_port", str(get_master_port()), str(TRAIN), *args)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_trainer_resumes_on_another_world_size(tmp_path, zero_stage):
+    out = tmp_path / "out"
+    deepspeed_launcher(2, "--output_dir", out, "--zero_stage", str(zero_stage), "--max_steps", "2")
+    run(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+        out / "checkpoint-2" / "global_step2", "--output_folder", out / "checkpoint-2" / "global_step2_universal")
+    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", str(zero_stage), "--max_steps", "4",
+                             "--resume_from_checkpoint", out / "checkpoint-2", "--load_universal",
+                             "--check_resumed_weights")
+    assert "resumed weights match" in log, log
+    assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"
+    assert os.path.isdir(out / "checkpoint-4" / "global_step4")

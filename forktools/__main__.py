@@ -1,13 +1,14 @@
 """Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
-``python -m forktools export`` (each topic as an upstream pull request)."""
+``python -m forktools export`` (each topic as an upstream pull request),
+``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, export, pq, style
+from forktools import ForkError, export, pq, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
 from forktools.upstream import make_workdir
@@ -44,6 +45,16 @@ def main(argv=None):
                               "pristine release, with its tests, and PR.md")
     prs.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     prs.add_argument("--out", type=Path, default=REPO / export.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    ups = commands.add_parser("upstream-tests",
+                              help="run upstream's own unit tests against the pinned release and the fork, "
+                              "and print the test ids whose verdict differs")
+    ups.add_argument("--upstream", type=Path, required=True, help="a checkout or clone of deepspeedai/DeepSpeed")
+    ups.add_argument("--select",
+                     action="append",
+                     help="a test file or id under its tests/ folder (repeatable; default: "
+                     f"{' '.join(upstream_tests.DEFAULT_SELECTION)})")
+    ups.add_argument("-k", dest="keyword", help="pytest's -k expression, for both runs")
+    ups.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     args = parser.parse_args(argv)
 
     try:
@@ -67,6 +78,16 @@ def main(argv=None):
                 patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
                 print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
                       f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")
+        elif args.command == "upstream-tests":
+            workdir = make_workdir("deepspeed-fork-upstream-tests-")
+            print(f"work directory: {workdir}", file=sys.stderr)
+            summary, regressions = upstream_tests.run(args.upstream, workdir,
+                                                      tuple(args.select or upstream_tests.DEFAULT_SELECTION),
+                                                      args.keyword, args.sdist)
+            print(summary)
+            if regressions:
+                print(f"{len(regressions)} test(s) pass on the pristine release and not on the fork", file=sys.stderr)
+                return 1
         elif args.command == "style":
             problems, summary = style.check(REPO, sdist=args.sdist)
             for problem in problems:

@@ -40,14 +40,15 @@ def _write_fork_info(tree, pin, patches):
     (tree / "deepspeed" / FORK_INFO_MODULE).write_text(text)
 
 
-def build_patched_tree(workdir, config_settings=None):
-    """Fetch, verify and unpack the pinned sdist into ``workdir`` and apply the series to it.
+def build_patched_tree(workdir, config_settings=None, patches=None):
+    """Fetch, verify and unpack the pinned sdist into ``workdir`` and apply the series (or ``patches``,
+    ``[]`` for the pristine release) to it.
 
     Returns (tree, local version label). Raises ForkError with a message naming the cause.
     """
     config_settings = config_settings or {}
     pin = read_pin(REPO)
-    patches = read_series(REPO)
+    patches = read_series(REPO) if patches is None else patches
     sdist = fetch_sdist(pin, workdir / "download", explicit=config_settings.get("sdist"))
     tree = unpack_sdist(pin, sdist, workdir / "src")
     apply_series(tree, patches)

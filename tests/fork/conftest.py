@@ -105,6 +105,12 @@ def remove_shm_segments(port):
 
 
 @pytest.fixture(scope="session")
+def wheels(builds):
+    """The wheel per build that `builds` installed."""
+    return {name: next((site.parent / "wheel").glob("*.whl")) for name, site in builds.items()}
+
+
+@pytest.fixture(scope="session")
 def builds(tmp_path_factory, upstream_sdist):
     """site directory per build: 'fork' (the series) and 'upstream' (the same backend, empty series),
     built once per session for every test that runs code under both."""

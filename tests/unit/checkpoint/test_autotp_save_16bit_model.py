@@ -129,9 +129,10 @@ class TestAutoTPSave16bitModelBf16(DistributedTest):
             reference = train_reference(STEPS)[0].state_dict()
             assert_same_entries(trained, {name: value.to(torch.bfloat16) for name, value in reference.items()})
             for name, value in reference.items():
-                # bf16 training differs from the fp32 reference by about 1e-3 on average per weight;
-                # two steps move the weights by about 1.4e-2 on average.
-                assert (trained[name].float() - value).abs().mean() < 2e-3, name
+                # bf16 training differs from the fp32 reference, rounded to bf16 as the file stores it,
+                # by less than 1e-3 on average per weight; two steps move the weights by about 1.4e-2 on
+                # average. (Rounding alone costs 1.5e-3 on average on weights near 1, the norms.)
+                assert (trained[name].float() - value.to(torch.bfloat16).float()).abs().mean() < 2e-3, name
         dist.barrier()
 
 

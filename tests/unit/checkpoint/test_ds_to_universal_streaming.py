@@ -5,8 +5,8 @@
 """``ds_to_universal`` streams each parameter from the rank files into the universal layout: no
 temporary fragment files, the same output with several worker processes and read threads, an
 output that appears only when complete (a killed run leaves nothing ``load_universal`` takes
-for a checkpoint, and a rerun succeeds), and a refusal naming the file when a rank file is
-missing or truncated.
+for a checkpoint, and a rerun succeeds, replacing only folders it wrote), and a refusal naming
+the file when a rank file is missing or truncated.
 
 On deepspeed 0.19.8 the conversion writes ``<output>/tmp`` fragment files, a killed run leaves
 ``<output>`` and ``latest_universal`` behind, and a missing last rank file goes unnoticed.
@@ -14,6 +14,7 @@ On deepspeed 0.19.8 the conversion writes ``<output>/tmp`` fragment files, a kil
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,20 @@ class TestDsToUniversalStreaming(DistributedTest):
             proc = run_cli(checkpoint, interrupted, workers=1)
             assert proc.returncode == 0, proc.stdout
             assert sorted(os.listdir(os.path.dirname(interrupted))) == ["latest_universal", "step2_universal"]
+            assert_same(universal_files(interrupted), files)
+
+            # A folder in the output's place that the conversion did not write is refused, untouched.
+            for taken in (parallel, interrupted + ".tmp"):
+                shutil.rmtree(taken, ignore_errors=True)
+                os.makedirs(taken)
+                with open(os.path.join(taken, "notes.txt"), "w") as f:
+                    f.write("mine")
+                target = parallel if taken == parallel else interrupted
+                with pytest.raises(FileExistsError, match="not written by ds_to_universal"):
+                    convert_to_universal(convert_args(checkpoint, target))
+                assert os.listdir(taken) == ["notes.txt"]
+                with open(os.path.join(taken, "notes.txt")) as f:
+                    assert f.read() == "mine"
             assert_same(universal_files(interrupted), files)
 
             # An incomplete checkpoint is refused before anything is written, naming the file.

@@ -6,15 +6,17 @@
 (without ``huggingface_hub`` or ``safetensors``, which deepspeed does not depend on) with every
 output option, in the layout Hugging Face loaders read; a run killed half way leaves nothing a
 loader accepts, and a rerun succeeds; every rank converting into one folder at once gives one
-complete output; an incomplete checkpoint is refused with an error that names the file. The
-script does not import deepspeed's runtime (which doubles its start-up time), and the .bin files
-it writes (their zip checksums computed by zlib, not torch.save) pass a zip check.
+complete output; a file in the way that the tool did not write is refused, untouched; an
+incomplete checkpoint is refused with an error that names the file. The script does not import
+deepspeed's runtime (which doubles its start-up time), and the .bin files it writes (their zip
+checksums computed by zlib, not torch.save) pass a zip check.
 
 On deepspeed 0.19.8 the script fails on a fresh install with ``ModuleNotFoundError: No module
 named 'huggingface_hub'`` (its default ``--max_shard_size 5GB``), and the tp2 checkpoint used here
 is refused outright (``Expected 1 of '*_optim_states.pt' ... found 2``).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -100,8 +102,12 @@ def assert_matches_reference(state_dict, reference):
         torch.testing.assert_close(state_dict[name].float(), expected, rtol=0, atol=ATOL, msg=name)
 
 
+# The files zero_to_fp32 wrote into an output folder, the only ones it may replace or remove.
+MANIFEST = ".zero_to_fp32.json"
+
+
 def output_files(output_dir):
-    return sorted(name for name in os.listdir(output_dir) if name != "config.json")
+    return sorted(name for name in os.listdir(output_dir) if name not in ("config.json", MANIFEST))
 
 
 class TestZeroToFp32Offline(DistributedTest):
@@ -127,6 +133,7 @@ class TestZeroToFp32Offline(DistributedTest):
                 assert_matches_reference(load_with_transformers(output_dir), reference)
             self.fresh_install_outputs(save_dir, str(tmpdir), reference)
             self.killed_runs(save_dir, str(tmpdir), reference)
+            self.files_of_others(save_dir, str(tmpdir), reference)
             self.incomplete_checkpoints(save_dir)
         dist.barrier()
         engine.destroy()
@@ -137,6 +144,8 @@ class TestZeroToFp32Offline(DistributedTest):
         result = run_script(save_dir, output_dir)
         assert "zero_to_fp32: wrote pytorch_model.bin" in result.stderr
         assert output_files(output_dir) == ["pytorch_model.bin"]
+        with open(os.path.join(output_dir, MANIFEST)) as f:
+            assert json.load(f) == ["pytorch_model.bin"]
         assert zipfile.ZipFile(os.path.join(output_dir, "pytorch_model.bin")).testzip() is None
         assert_matches_reference(torch.load(os.path.join(output_dir, "pytorch_model.bin")), reference)
         assert_matches_reference(load_with_transformers(output_dir), reference)
@@ -178,7 +187,7 @@ class TestZeroToFp32Offline(DistributedTest):
         # shard is in place: neither the old nor the new output may load, the rerun must.
         output_dir = os.path.join(tmpdir, "killed-sharded")
         convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, max_shard_size=SHARD)
-        run_script(save_dir, output_dir, "--max_shard_size", "150KB", killed_at=("replace", 2))
+        run_script(save_dir, output_dir, "--max_shard_size", "150KB", killed_at=("replace", 3))  # 1: the manifest
         assert "pytorch_model.bin.index.json" not in output_files(output_dir)
         llama_config(uneven=True).save_pretrained(output_dir)
         with pytest.raises(OSError):
@@ -190,7 +199,7 @@ class TestZeroToFp32Offline(DistributedTest):
         # One safetensors file, killed when it is written, before it is renamed into place: only a
         # temporary file, no model.safetensors.
         output_dir = os.path.join(tmpdir, "killed-single")
-        run_script(save_dir, output_dir, "--safe_serialization", killed_at=("replace", 1))
+        run_script(save_dir, output_dir, "--safe_serialization", killed_at=("replace", 2))
         files = output_files(output_dir)
         assert len(files) == 1 and files[0].startswith(".model.safetensors.") and files[0].endswith(".tmp")
         llama_config(uneven=True).save_pretrained(output_dir)
@@ -199,6 +208,26 @@ class TestZeroToFp32Offline(DistributedTest):
         convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, safe_serialization=True)
         assert output_files(output_dir) == ["model.safetensors"]  # and the temporary file is gone
         assert_matches_reference(load_with_transformers(output_dir), reference)
+
+    def files_of_others(self, save_dir, tmpdir, reference):
+        # A file in the way that zero_to_fp32 did not write is refused before anything changes; the
+        # files beside it are left alone.
+        output_dir = os.path.join(tmpdir, "users-folder")
+        os.makedirs(output_dir)
+        mine = {"pytorch_model.bin": "my own weights", "notes.txt": "mine"}
+        for name, text in mine.items():
+            with open(os.path.join(output_dir, name), "w") as f:
+                f.write(text)
+        with pytest.raises(FileExistsError, match="pytorch_model.bin, which zero_to_fp32 did not write"):
+            convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir)
+        assert sorted(os.listdir(output_dir)) == sorted(mine)
+        for name, text in mine.items():
+            with open(os.path.join(output_dir, name)) as f:
+                assert f.read() == text
+        os.remove(os.path.join(output_dir, "pytorch_model.bin"))
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir)
+        assert output_files(output_dir) == ["notes.txt", "pytorch_model.bin"]
+        assert_matches_reference(torch.load(os.path.join(output_dir, "pytorch_model.bin")), reference)
 
     def incomplete_checkpoints(self, save_dir):
         for name in ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):

@@ -8,7 +8,7 @@ One run measures, at world size 2 (gloo on CPU unless an accelerator is present)
 
 * a ZeRO-3 model of sized layers plus K submodules whose parameters all have zero elements
   (``Linear(h, 0)``, as an adapter at rank 0), for K = 0, 16, 256, on the fork and on upstream
-  0.19.8 with only the gather-gate fix (patch 0001): all-gathers, reduce-scatters and all-reduces
+  0.19.8 with only the gather-gate fix (patch 0002): all-gathers, reduce-scatters and all-reduces
   per training step, and the median step time; and, as a control, the fork with K submodules
   that have no parameters at all (what ZeRO-3's per-module hooks cost on any model);
 * the step-time ratio fork / unpatched upstream on the same model without empty parameters

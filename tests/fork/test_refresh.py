@@ -21,10 +21,12 @@ from forktools.series import apply_patch, parse_patch, read_series, series_names
 from forktools.upstream import read_pin, sha256_of
 
 NEW = "0.19.9"
-GATE = "0001-zero3-gate-the-fetch-all-gather-on-pending-status-not-numel.patch"
-KEEP_OUT = "0003-zero3-keep-zero-element-parameters-out-of-all-gathers.patch"
-ZERO_TO_FP32 = "0004-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
-LINEAR = "0006-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
+GATE = "0002-zero3-gate-the-fetch-all-gather-on-pending-status-not-numel.patch"
+KEEP_OUT = "0004-zero3-keep-zero-element-parameters-out-of-all-gathers.patch"
+ZERO_TO_FP32 = "0005-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
+LINEAR = "0007-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
+# Touches the file the gate fix changes, below it: once upstream has the gate fix, it applies at an offset.
+LEAF = "0001-zero3-reduce-leaf-module-gradients-after-they-are-computed.patch"
 # A context line of KEEP_OUT's first hunk, and what the conflicting release makes of it.
 KEEP_OUT_CONTEXT = "if len(params) == 0:"
 KEEP_OUT_CONTEXT_NEW = "if not params:"
@@ -66,9 +68,9 @@ def test_refresh_drops_what_upstream_has_and_refreshes_what_moved(repo_copy, ups
     old_bytes = {name: patch.path.read_bytes() for name, patch in old_patches.items()}
 
     def change(tree):
-        # Upstream takes the gate fix (0001) ...
+        # Upstream takes the gate fix (0002) ...
         apply_patch(tree, old_patches[GATE])
-        # ... adds lines above the hunk of 0006, so that it applies at an offset ...
+        # ... adds lines above the hunk of 0007, so that it applies at an offset ...
         linear = tree / "deepspeed/runtime/zero/linear.py"
         lines = linear.read_text().splitlines(keepends=True)
         linear.write_text("".join(lines[:4] + ["\n", "# Added upstream in 0.19.9.\n"] + lines[4:]))
@@ -98,17 +100,18 @@ def test_refresh_drops_what_upstream_has_and_refreshes_what_moved(repo_copy, ups
             expected[name] = f"applies unchanged (now {renamed[name]}, index lines refreshed)"
     assert ZERO_TO_FP32 in expected and "index lines refreshed" in expected[ZERO_TO_FP32]
     expected[LINEAR] = f"applies with offsets (refreshed) (now {renamed[LINEAR]})"
+    expected[LEAF] = "applies with offsets (refreshed)"  # before the dropped patch: its name stays
     assert report_of(proc.stdout) == expected
     assert report_of(dry.stdout) == expected
 
     # The new pin: the release's version and the sha256 of the file itself.
     pin = read_pin(repo_copy)
     assert (pin.version, pin.sha256) == (NEW, sha256_of(release))
-    # The series without 0001, in the same order, renumbered as `pq export` numbers it.
+    # The series without the gate fix, in the same order, renumbered as `pq export` numbers it.
     assert [parse_patch(repo_copy / "patches" / name).subject
             for name in new_names] == [old_patches[name].subject for name in old_names if name != GATE]
     assert not (repo_copy / "patches" / GATE).exists()
-    # 0001 kept, with its trailer set to the release that has it, and the same diff.
+    # The gate fix kept, with its trailer set to the release that has it, and the same diff.
     applied = repo_copy / "patches" / "applied-upstream" / GATE
     assert parse_patch(applied).dep3["Applied-Upstream"] == NEW
     assert applied.read_bytes().split(b"\n---\n", 1)[1] == old_bytes[GATE].split(b"\n---\n", 1)[1]
@@ -146,7 +149,7 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     target = "deepspeed/runtime/zero/partition_parameters.py"
 
     def change(tree):
-        # Upstream rewrites a line that 0003's first hunk has as context.
+        # Upstream rewrites a line that the first hunk of KEEP_OUT has as context.
         path = tree / target
         text = path.read_text()
         assert text.count(KEEP_OUT_CONTEXT) == 1
@@ -161,16 +164,17 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     assert proc.returncode != 0
     report = report_of(proc.stdout)
     names = list(old_patches)
-    assert report[names[0]] == report[names[1]] == "applies unchanged"
+    before_conflict = names[:names.index(KEEP_OUT)]
+    assert all(report[name] == "applies unchanged" for name in before_conflict)
     assert report[KEEP_OUT] == f"conflicts in {target}"
-    assert all(report[name] == "not tried" for name in names[3:])
+    assert all(report[name] == "not tried" for name in names[len(before_conflict) + 1:])
     assert f"{target}.rej" in proc.stdout and "refresh --continue" in proc.stdout
     assert tree_files(repo_copy) == before, "a conflicting refresh changed upstream.toml or patches/"
 
-    # The queue: the new base, the patches before 0003, and git am stopped on 0003.
+    # The queue: the new base, the patches before KEEP_OUT, and git am stopped on it.
     assert git(queue, "log", "-1", "--format=%s", "upstream").strip() == f"deepspeed {NEW} (pristine sdist)"
     assert git(queue, "log", "--reverse", "--format=%s",
-               "upstream..HEAD").splitlines() == [old_patches[name].subject for name in names[:2]]
+               "upstream..HEAD").splitlines() == [old_patches[name].subject for name in before_conflict]
     assert (queue / ".git" / "rebase-apply").is_dir()
     assert old_patches[KEEP_OUT].subject in git(queue, "am", "--show-current-patch=raw")
     assert (queue / f"{target}.rej").is_file()

@@ -27,6 +27,7 @@ import zipfile
 import pytest
 import torch
 
+import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                           get_fp32_state_dict_from_zero_checkpoint)
@@ -241,3 +242,48 @@ class TestZeroToFp32Offline(DistributedTest):
             with pytest.raises(ValueError, match=f"Checkpoint file '{path}' is incomplete or corrupt"):
                 convert_zero_checkpoint_to_fp32_state_dict(copy, os.path.join(copy, "out"))
             assert not os.path.exists(os.path.join(copy, "out"))
+
+
+class TestZeroToFp32SafetensorsBytes(DistributedTest):
+    """safetensors output is what the safetensors library writes for the same tensors: laid out by
+    descending dtype, so that every tensor is aligned to its element size in the file."""
+    world_size = 1
+
+    def test(self, tmpdir):
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config())
+        # A boolean mask and integer positions, as models register them, before the fp32 weights.
+        model.model.register_buffer("padding_mask", torch.tensor([True, False, True]))
+        model.model.register_buffer("position_ids", torch.arange(5))
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "Adam",
+                "params": {
+                    "torch_adam": True
+                }
+            },
+            "zero_optimization": {
+                "stage": 2
+            }
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        save_dir = str(tmpdir.join("checkpoint"))
+        engine.save_checkpoint(save_dir, tag=TAG)
+        output_dir = str(tmpdir.join("out"))
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, safe_serialization=True)
+
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+        assert {state_dict[name].dtype for name in state_dict} == {torch.bool, torch.int64, torch.float32}
+        reference = str(tmpdir.join("reference.safetensors"))
+        save_file(state_dict, reference, metadata={"format": "pt"})
+        with open(os.path.join(output_dir, "model.safetensors"), "rb") as ours, open(reference, "rb") as theirs:
+            assert ours.read() == theirs.read()
+        with safe_open(os.path.join(output_dir, "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                assert tensor.data_ptr() % tensor.element_size() == 0, name

@@ -18,6 +18,10 @@ For each topic, in series order, ``DIR/NN-TOPIC/`` gets:
   the DCO sign-off stays.
 - ``PR.md``: the pull request's title and description (symptom, root cause and fix from each
   patch's message; how it was verified; what it depends on).
+- ``upstream-test-updates.patch``, for a topic that changes behaviour an upstream test asserts: the
+  update of that test, with the reason (``patches/upstream-tests/TOPIC.patch``). It changes
+  upstream's ``tests/``, which the sdist does not hold, so ``git am`` it after the mailbox in a
+  clone of upstream's repository; ``python -m forktools upstream-tests`` runs the fork with it.
 
 Every mailbox is checked while it is made: the topics are applied in series order to one pristine
 repository, and each topic without dependencies also alone to a fresh one.
@@ -31,12 +35,15 @@ from pathlib import Path
 
 from forktools import ForkError
 from forktools.pq import am_patch, create_queue, format_patches, queue_env, run_git
-from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, read_series
+from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, parse_patch, read_series
 from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
 _FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
+
+TEST_UPDATES_DIR = Path("patches") / "upstream-tests"
+TEST_UPDATES_FILE = "upstream-test-updates.patch"
 
 
 @dataclass
@@ -45,6 +52,7 @@ class Topic:
     patches: list = field(default_factory=list)
     tests: list = field(default_factory=list)
     depends_on: list = field(default_factory=list)
+    test_updates: Path = None
 
 
 def topics_of(repo, patches):
@@ -68,6 +76,11 @@ def topics_of(repo, patches):
         for test in topic.tests:
             if not (Path(repo) / test).is_file():
                 raise ForkError(f"topic {topic.name}: Upstream-Tests names {test}, which does not exist")
+    for update in sorted((Path(repo) / TEST_UPDATES_DIR).glob("*.patch")):
+        if update.stem not in topics:
+            raise ForkError(f"{TEST_UPDATES_DIR / update.name} is named after no topic of the series "
+                            f"(known topics: {', '.join(topics)})")
+        topics[update.stem].test_updates = update
     owners = {}
     for topic in topics.values():
         for test in topic.tests:
@@ -137,6 +150,13 @@ def pr_description(topic, topics_dir_names):
         ]
     else:
         lines += ["Covered by the tests of the other commits of this pull request.", ""]
+    if topic.test_updates:
+        update = parse_patch(topic.test_updates)
+        files = re.findall(r"^diff --git a/(\S+) ", topic.test_updates.read_text(encoding="utf-8"), re.M)
+        body = "\n".join(line for line in update.message.strip("\n").split("\n")
+                         if not line.startswith("Signed-off-by:")).strip("\n")
+        lines += ["## Upstream tests this changes", "", f"{update.subject}: " + ", ".join(f"`{f}`" for f in files), ""]
+        lines += [body, "", f"The update is `{TEST_UPDATES_FILE}` (`git am` it after the mailbox).", ""]
     if topic.depends_on:
         lines += ["## Depends on", ""]
         lines += [
@@ -175,6 +195,8 @@ def export_topics(repo, out_dir, sdist=None):
             mailbox = b"".join(path.read_bytes() for path in commits)
             (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
             (topic_dir / "PR.md").write_text(pr_description(topic, dir_names), encoding="utf-8")
+            if topic.test_updates:
+                shutil.copyfile(topic.test_updates, topic_dir / TEST_UPDATES_FILE)
         # Topics that depend on nothing must apply alone too.
         for topic in topics:
             if not topic.depends_on:

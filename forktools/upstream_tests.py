@@ -10,6 +10,7 @@ behind its own deepspeed), and runs the same selection in both, on CPU.
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +38,9 @@ DEFAULT_SELECTION = (
 # the harness skips every test of more ranks than NUMA nodes.
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "LOCAL_SIZE": "4"}
 BUILDS = ("pristine", "fork")
+# Where a topic that changes behaviour an upstream test asserts keeps that test's update
+# (TOPIC.patch, a git format-patch mail against upstream's tests/): the fork runs the updated tests.
+TEST_UPDATES_DIR = REPO / "patches" / "upstream-tests"
 
 
 @dataclass
@@ -59,6 +63,17 @@ def extract_tests(upstream, dest):
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     return dest / "tests", commit.stdout.strip()
+
+
+def apply_test_updates(tests_dir, updates):
+    """``tests_dir`` with ``updates`` (patch files against upstream's tests/) applied, as a copy beside it."""
+    root = tests_dir.parent / "updated"
+    shutil.copytree(tests_dir, root / "tests")
+    for patch in updates:
+        proc = subprocess.run(["git", "apply", str(patch)], cwd=root, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ForkError(f"{patch} does not apply to upstream's tests:\n{proc.stderr.strip()}")
+    return root / "tests"
 
 
 def build_wheel(name, workdir, sdist):
@@ -123,13 +138,16 @@ def read_junit(path):
     return outcomes
 
 
-def report(verdicts, commit, selection):
-    """The summary to print, and the ids that pass on the pristine release but not on the fork."""
+def report(verdicts, commit, selection, updates=()):
+    """The summary to print, and the ids that pass on the pristine release and fail on the fork (an id
+    that the series' updates of upstream tests removed is listed, not counted)."""
 
     def outcome(name, test_id):
         return verdicts[name].outcomes.get(test_id, ("absent", ""))
 
     lines = [f"upstream tests at {commit}: {' '.join(selection)}"]
+    if updates:
+        lines.append(f"  the fork runs them with the series' updates: {', '.join(p.name for p in updates)}")
     for name in BUILDS:
         v = verdicts[name]
         lines.append(f"  {name} {v.version}: {v.count('passed')} passed, {v.count('failed')} failed, "
@@ -142,14 +160,18 @@ def report(verdicts, commit, selection):
         for name in BUILDS:
             result, detail = outcome(name, test_id)
             lines.append(f"    {name}: {result}{': ' + detail if detail else ''}")
-    regressions = [t for t in differing if outcome("pristine", t)[0] == "passed"]
+    regressions = [t for t in differing if outcome("pristine", t)[0] == "passed" and outcome("fork", t)[0] == "failed"]
     return "\n".join(lines), regressions
 
 
-def run(upstream, workdir, selection=DEFAULT_SELECTION, keyword=None, sdist=None, wheels=None):
+def run(upstream, workdir, selection=DEFAULT_SELECTION, keyword=None, sdist=None, wheels=None, updates=None):
     """Run ``selection`` of ``upstream``'s tests against both builds (``wheels``: name -> wheel already
-    built); returns the report and the regressions (see report())."""
+    built; ``updates``: the series' updates of upstream tests, default those in TEST_UPDATES_DIR);
+    returns the report and the regressions (see report())."""
     tests_dir, commit = extract_tests(Path(upstream), workdir)
+    if updates is None:
+        updates = sorted(TEST_UPDATES_DIR.glob("*.patch"))
+    tests_dirs = {"pristine": tests_dir, "fork": apply_test_updates(tests_dir, updates)}
     verdicts = {}
     for name in BUILDS:
         build_dir = workdir / name
@@ -158,5 +180,5 @@ def run(upstream, workdir, selection=DEFAULT_SELECTION, keyword=None, sdist=None
         wheel = wheels[name] if wheels else build_wheel(name, build_dir, sdist)
         python = install(name, build_dir, wheel)
         print(f"running the selection against {name} ...", file=sys.stderr, flush=True)
-        verdicts[name] = run_tests(python, tests_dir, selection, keyword, build_dir)
-    return report(verdicts, commit, selection)
+        verdicts[name] = run_tests(python, tests_dirs[name], selection, keyword, build_dir)
+    return report(verdicts, commit, selection, updates)

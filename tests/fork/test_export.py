@@ -98,6 +98,22 @@ def test_independent_topics_apply_alone(exported, upstream_sdist, tmp_path):
         assert proc.returncode == 0, f"{topic.name}: {proc.stdout}"
 
 
+def test_a_topic_carries_its_update_of_an_upstream_test(exported):
+    """The leaf-module fix makes upstream's test_no_grad_input_error (which expects the failure) fail; its
+    pull request carries the test's update, with the reason, as a patch to apply after the mailbox."""
+    (topic, topic_dir), = [(t, d) for t, d in exported if t.name == "zero3-leaf-module-gradients"]
+    update = (topic_dir / "upstream-test-updates.patch").read_text()
+    assert update == (REPO / "patches" / "upstream-tests" / f"{topic.name}.patch").read_text()
+    assert "diff --git a/tests/unit/runtime/zero/test_zero_leaf_module.py " in update
+    assert "-    def test_no_grad_input_error(self):" in update and "Signed-off-by: " in update
+    description = (topic_dir / "PR.md").read_text()
+    assert "## Upstream tests this changes" in description
+    assert "`tests/unit/runtime/zero/test_zero_leaf_module.py`" in description
+    assert "test_no_grad_input_error expected set_z3_leaf_modules to fail" in description
+    others = [d for t, d in exported if t.name != topic.name]
+    assert not any((d / "upstream-test-updates.patch").exists() for d in others)
+
+
 def test_unknown_dependency_is_refused_by_name(repo_copy, upstream_sdist, tmp_path):
     patch = next(p for p in read_series(repo_copy) if p.dep3.get("Depends-On"))
     text = patch.path.read_text()

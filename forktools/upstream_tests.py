@@ -70,7 +70,9 @@ def apply_test_updates(tests_dir, updates):
     root = tests_dir.parent / "updated"
     shutil.copytree(tests_dir, root / "tests")
     for patch in updates:
-        proc = subprocess.run(["git", "apply", str(patch)], cwd=root, capture_output=True, text=True)
+        # As series.apply_patch: never let git find a repository above the copy.
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+        proc = subprocess.run(["git", "apply", str(patch)], cwd=root, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ForkError(f"{patch} does not apply to upstream's tests:\n{proc.stderr.strip()}")
     return root / "tests"

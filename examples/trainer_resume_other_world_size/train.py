@@ -110,6 +110,10 @@ def main():
         callbacks.append(CheckResumedWeights(args.resume_from_checkpoint))
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=TokenDataset(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    # Shut the process group down before the interpreter does: left to exit, a rank can abort in
+    # teardown ("terminate called without an active exception") after it has finished.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

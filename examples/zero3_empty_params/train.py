@@ -132,6 +132,10 @@ def main():
         print(f"checkpoint {args.save_dir}/example reloaded on {dist.get_world_size()} ranks "
               f"({get_accelerator().device_name()}): {shapes}")
         print("OK", flush=True)
+    # Shut the process group down before the interpreter does: left to exit, a rank can abort in
+    # teardown ("terminate called without an active exception") after it has finished.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -194,9 +194,14 @@ def resume(save_dir):
 
 if __name__ == "__main__":
     import deepspeed
+    import deepspeed.comm as dist
     deepspeed.init_distributed()
     if sys.argv[1] == "save":
         save_then_die(int(sys.argv[2]), sys.argv[3])
     else:
         for save_dir in sys.argv[2:]:
             resume(save_dir)
+        # Left to the interpreter's exit, a rank can abort in teardown ("terminate called without an
+        # active exception") after it has finished.
+        dist.barrier()
+        dist.destroy_process_group()

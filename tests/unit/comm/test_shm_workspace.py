@@ -43,6 +43,8 @@ with open(pid_file + ".tmp", "w") as f:
 os.replace(pid_file + ".tmp", pid_file)
 if then == "wait":
     time.sleep(600)
+dist.barrier()
+dist.destroy_process_group()  # left to exit, a rank can abort in teardown
 """
 
 

@@ -42,6 +42,8 @@ DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
 _FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
 
+# A topic that changes behaviour an upstream test asserts keeps that test's update here, as TOPIC.patch
+# (a git format-patch mail against upstream's tests/).
 TEST_UPDATES_DIR = Path("patches") / "upstream-tests"
 TEST_UPDATES_FILE = "upstream-test-updates.patch"
 

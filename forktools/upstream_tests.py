@@ -21,6 +21,7 @@ from pathlib import Path
 
 from forktools import ForkError
 from forktools.backend import REPO, _upstream_wheel, build_patched_tree
+from forktools.export import TEST_UPDATES_DIR
 from forktools.series import read_series
 
 # What finishes in about an hour on 2 cores: the checkpoint tests the series touches most, without
@@ -38,9 +39,6 @@ DEFAULT_SELECTION = (
 # the harness skips every test of more ranks than NUMA nodes.
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "LOCAL_SIZE": "4"}
 BUILDS = ("pristine", "fork")
-# Where a topic that changes behaviour an upstream test asserts keeps that test's update
-# (TOPIC.patch, a git format-patch mail against upstream's tests/): the fork runs the updated tests.
-TEST_UPDATES_DIR = REPO / "patches" / "upstream-tests"
 
 
 @dataclass
@@ -69,9 +67,9 @@ def apply_test_updates(tests_dir, updates):
     """``tests_dir`` with ``updates`` (patch files against upstream's tests/) applied, as a copy beside it."""
     root = tests_dir.parent / "updated"
     shutil.copytree(tests_dir, root / "tests")
+    # As series.apply_patch: never let git find a repository above the copy.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
     for patch in updates:
-        # As series.apply_patch: never let git find a repository above the copy.
-        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
         proc = subprocess.run(["git", "apply", str(patch)], cwd=root, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ForkError(f"{patch} does not apply to upstream's tests:\n{proc.stderr.strip()}")
@@ -168,11 +166,11 @@ def report(verdicts, commit, selection, updates=()):
 
 def run(upstream, workdir, selection=DEFAULT_SELECTION, keyword=None, sdist=None, wheels=None, updates=None):
     """Run ``selection`` of ``upstream``'s tests against both builds (``wheels``: name -> wheel already
-    built; ``updates``: the series' updates of upstream tests, default those in TEST_UPDATES_DIR);
+    built; ``updates``: the series' updates of upstream tests, default those in patches/upstream-tests/);
     returns the report and the regressions (see report())."""
     tests_dir, commit = extract_tests(Path(upstream), workdir)
     if updates is None:
-        updates = sorted(TEST_UPDATES_DIR.glob("*.patch"))
+        updates = sorted((REPO / TEST_UPDATES_DIR).glob("*.patch"))
     tests_dirs = {"pristine": tests_dir, "fork": apply_test_updates(tests_dir, updates)}
     verdicts = {}
     for name in BUILDS:

@@ -84,6 +84,13 @@ def test_load_of_the_killed_tag_names_its_missing_file(restarted):
 # The job, on every rank.
 
 
+def say(line):
+    """One line of output in one write: both ranks share the launcher's stdout, and print() writes the
+    line and its newline separately, so two ranks' lines could run together."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def initialize(stage):
     import torch
     import deepspeed
@@ -145,7 +152,7 @@ def die_while_writing_optimizer_states():
         time.sleep(2)
         with open(f, "wb") as out:
             out.write(buffer.getbuffer()[:buffer.tell() // 2])
-        print("rank 1: killed while writing", f, flush=True)
+        say(f"rank 1: killed while writing {f}")
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save
@@ -177,14 +184,14 @@ def resume(save_dir):
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
     train_step(engine)
-    print(f"rank {dist.get_rank()}: resumed from global_step1", flush=True)
+    say(f"rank {dist.get_rank()}: resumed from global_step1")
 
     # The killed save's tag is refused by name, before anything is loaded.
     weights = full_weights(engine)
     try:
         engine.load_checkpoint(save_dir, tag="global_step2")
     except ValueError as err:
-        print(f"rank {dist.get_rank()}: refused global_step2: {err}", flush=True)
+        say(f"rank {dist.get_rank()}: refused global_step2: {err}")
     else:
         raise AssertionError("the incomplete global_step2 was loaded")
     actual = full_weights(engine)

@@ -4,17 +4,19 @@
 # DeepSpeed Team
 """Cost of zero-element parameters under ZeRO-3: collectives per step and step time.
 
-One run measures, at world size 2 (gloo on CPU unless an accelerator is present):
+One run measures, at world sizes 1 and 2 (gloo on CPU unless an accelerator is present):
 
 * a ZeRO-3 model of sized layers plus K submodules whose parameters all have zero elements
-  (``Linear(h, 0)``, as an adapter at rank 0), for K = 0, 16, 256, on the fork and on upstream
-  0.19.8 with only the gather-gate fix (patch 0002): all-gathers, reduce-scatters and all-reduces
-  per training step, and the median step time; and, as a control, the fork with K submodules
-  that have no parameters at all (what ZeRO-3's per-module hooks cost on any model);
+  (``Linear(h, 0)``, as an adapter at rank 0), for K = 16 and 256, on the fork and on upstream
+  0.19.8 with only the gather-gate fix (patch 0002), beside a control: the fork with K
+  ``Linear(h, 0)`` submodules whose weight is a buffer that requires grad instead of a parameter
+  (the same computation and autograd graph), so that the ratio fork / control is ZeRO-3's cost
+  of the parameters alone. All-gathers, reduce-scatters and all-reduces of one training step, and the median step
+  time; the variants alternate, ``--repeats`` times, and each row gives the median of the runs;
 * the step-time ratio fork / unpatched upstream on the same model without empty parameters
-  (K = 0), alternating the two several times.
+  (K = 0), alternating the two ``--repeats`` times, with the spread of the per-pair ratios.
 
-The three variants are built from the pinned upstream sdist and this repository's patch series
+The three builds are made from the pinned upstream sdist and this repository's patch series
 (nothing is installed); each runs from its source tree. Usage, from the repository root:
 
     python benchmarks/zero_empty_params.py [--steps 20] [--repeats 3] [--json results.json]
@@ -74,15 +76,16 @@ def prepare_trees(workdir):
     return trees
 
 
-def run_variant(tree, num_empty, steps, ext_dir, parameterless=False):
-    """Run the worker on 2 ranks against ``tree``; return rank 0's measurement."""
+def run_variant(tree, world_size, num_empty, steps, ext_dir, control=False):
+    """Run the worker on ``world_size`` ranks against ``tree``; return rank 0's measurement."""
     env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext_dir))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+        str(world_size), "--master_port",
         str(free_port()), __file__, "--worker", "--num-empty",
         str(num_empty), "--steps",
         str(steps)
-    ] + (["--parameterless"] if parameterless else [])
+    ] + (["--control"] if control else [])
     proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -91,24 +94,27 @@ def run_variant(tree, num_empty, steps, ext_dir, parameterless=False):
     return {"error": tail}
 
 
-def worker(num_empty, steps, parameterless):
+def worker(num_empty, steps, control):
     import torch
     import torch.nn as nn
     import deepspeed
     import deepspeed.comm as dist
 
-    class NoParameters(nn.Module):
-        """The control: a submodule with no parameters at all, computing the same empty output."""
+    class EmptyBuffer(nn.Linear):
+        """The control: ``Linear(h, 0, bias=False)`` with its weight a buffer that requires grad."""
 
-        def forward(self, x):
-            return x[..., :0]
+        def __init__(self):
+            super().__init__(HIDDEN, 0, bias=False)
+            weight = self.weight
+            del self.weight
+            self.register_buffer("weight", weight.detach().requires_grad_())
 
     class Model(nn.Module):
 
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(SIZED_LAYERS)])
-            empty_cls = NoParameters if parameterless else lambda: nn.Linear(HIDDEN, 0, bias=False)
+            empty_cls = EmptyBuffer if control else lambda: nn.Linear(HIDDEN, 0, bias=False)
             self.empties = nn.ModuleList([empty_cls() for _ in range(num_empty)])
 
         def forward(self, x):
@@ -164,6 +170,8 @@ def worker(num_empty, steps, parameterless):
             times.append(time.perf_counter() - start)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"collectives": counts, "step_ms": 1000 * statistics.median(times)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def collective_summary(counts):
@@ -176,15 +184,16 @@ def collective_summary(counts):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run (after 3 warm-up steps)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating fork/upstream runs for the ratio")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each variant")
+    parser.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
     parser.add_argument("--num-empty", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--parameterless", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--control", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-zero-empty-params"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.num_empty, args.steps, args.parameterless)
+        worker(args.num_empty, args.steps, args.control)
         return
 
     workdir = Path(args.work_dir)
@@ -192,41 +201,48 @@ def main():
     trees = prepare_trees(workdir / "trees")
     ext_dir = workdir / "torch-extensions"
     results = {"empty_submodules": [], "ratio_runs": []}
+    variants = {"gate-only": ("gate-only", False), "fork": ("fork", False), "control": ("fork", True)}
 
-    print("| K empty submodules | variant | all-gathers/step | reduce-scatters/step | all-reduces/step | step ms |")
-    print("|---|---|---|---|---|---|")
-    for num_empty in (0, 16, 256):
-        # The control row: K submodules without parameters cost what ZeRO-3's module hooks cost, on
-        # any model; the fork's empty submodules should cost the same.
-        for variant in ("gate-only", "fork", "fork, control: parameterless submodules"):
-            tree = trees["fork" if variant.startswith("fork") else variant]
-            result = run_variant(tree,
-                                 num_empty,
-                                 args.steps,
-                                 ext_dir / variant.split(",")[0],
-                                 parameterless="control" in variant)
-            results["empty_submodules"].append(dict(result, variant=variant, num_empty=num_empty))
-            if "error" in result:
-                print(f"| {num_empty} | {variant} | failed: {result['error']!r} |")
-                continue
-            gathers, reduce_scatters, all_reduces = collective_summary(result["collectives"])
-            print(
-                f"| {num_empty} | {variant} | {gathers} | {reduce_scatters} | {all_reduces} | "
-                f"{result['step_ms']:.2f} |",
-                flush=True)
+    print("| world size | K empty submodules | variant | all-gathers/step | reduce-scatters/step | "
+          "all-reduces/step | step ms | step / control (spread) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world_size in map(int, args.world_sizes.split(",")):
+        for num_empty in (16, 256):
+            runs = {variant: [] for variant in variants}
+            for _ in range(args.repeats):
+                for variant, (tree, control) in variants.items():
+                    result = run_variant(trees[tree], world_size, num_empty, args.steps, ext_dir / tree, control)
+                    results["empty_submodules"].append(
+                        dict(result, variant=variant, world_size=world_size, num_empty=num_empty))
+                    runs[variant].append(result)
+            for variant, variant_runs in runs.items():
+                failed = [run["error"] for run in variant_runs if "error" in run]
+                if failed:
+                    print(f"| {world_size} | {num_empty} | {variant} | failed: {failed[0]!r} |")
+                    continue
+                gathers, reduce_scatters, all_reduces = collective_summary(variant_runs[0]["collectives"])
+                step_ms = statistics.median(run["step_ms"] for run in variant_runs)
+                # Each run against the control run of its own round.
+                ratios = [run["step_ms"] / control["step_ms"] for run, control in zip(variant_runs, runs["control"])]
+                print(
+                    f"| {world_size} | {num_empty} | {variant} | {gathers} | {reduce_scatters} | {all_reduces} | "
+                    f"{step_ms:.2f} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |",
+                    flush=True)
 
     step_ms = {"upstream": [], "fork": []}
     for _ in range(args.repeats):
         for variant in ("upstream", "fork"):
-            result = run_variant(trees[variant], 0, args.steps, ext_dir / variant)
+            result = run_variant(trees[variant], 2, 0, args.steps, ext_dir / variant)
             results["ratio_runs"].append(dict(result, variant=variant))
             if "error" in result:
                 sys.exit(f"{variant} failed on a model without empty parameters: {result['error']}")
             step_ms[variant].append(result["step_ms"])
+    ratios = [fork / upstream for fork, upstream in zip(step_ms["fork"], step_ms["upstream"])]
     fork_ms, upstream_ms = statistics.median(step_ms["fork"]), statistics.median(step_ms["upstream"])
     results["step_time_ratio_fork_over_upstream"] = fork_ms / upstream_ms
-    print(f"\nK = 0, median of {args.repeats} alternating runs of {args.steps} steps: fork {fork_ms:.2f} ms, "
-          f"upstream {upstream_ms:.2f} ms, ratio fork/upstream {fork_ms / upstream_ms:.3f}")
+    print(f"\nK = 0, world size 2, median of {args.repeats} alternating runs of {args.steps} steps: "
+          f"fork {fork_ms:.2f} ms, upstream {upstream_ms:.2f} ms, ratio fork/upstream {fork_ms / upstream_ms:.3f} "
+          f"(per-pair ratios {min(ratios):.3f}-{max(ratios):.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -10,6 +10,7 @@ the series in a real queue (a few seconds); the two tests take about 25 s togeth
 """
 
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -22,14 +23,15 @@ from forktools.upstream import read_pin, sha256_of
 
 NEW = "0.19.9"
 GATE = "0002-zero3-gate-the-fetch-all-gather-on-pending-status-not-numel.patch"
-KEEP_OUT = "0004-zero3-keep-zero-element-parameters-out-of-all-gathers.patch"
-ZERO_TO_FP32 = "0005-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
-LINEAR = "0007-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
+NEVER_PARTITION = "0004-zero3-never-partition-zero-element-parameters.patch"
+ZERO_TO_FP32 = "0006-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
+LINEAR = "0008-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
 # Touches the file the gate fix changes, below it: once upstream has the gate fix, it applies at an offset.
 LEAF = "0001-zero3-reduce-leaf-module-gradients-after-they-are-computed.patch"
-# A context line of KEEP_OUT's first hunk, and what the conflicting release makes of it.
-KEEP_OUT_CONTEXT = "if len(params) == 0:"
-KEEP_OUT_CONTEXT_NEW = "if not params:"
+# A context line of NEVER_PARTITION's hunk in partition_parameters.py, and what the conflicting release
+# makes of it.
+NEVER_PARTITION_CONTEXT = 'print_rank_0(f"Before Partitioning Param {param.ds_id}", force=False)'
+NEVER_PARTITION_CONTEXT_NEW = 'print_rank_0(f"Before partitioning param {param.ds_id}", force=False)'
 
 
 def unpack(sdist, dest):
@@ -115,8 +117,11 @@ def test_refresh_drops_what_upstream_has_and_refreshes_what_moved(repo_copy, ups
     applied = repo_copy / "patches" / "applied-upstream" / GATE
     assert parse_patch(applied).dep3["Applied-Upstream"] == NEW
     assert applied.read_bytes().split(b"\n---\n", 1)[1] == old_bytes[GATE].split(b"\n---\n", 1)[1]
-    # Patches without offsets keep their bytes; the moved one has new hunk headers.
-    assert (repo_copy / "patches" / renamed[KEEP_OUT]).read_bytes() == old_bytes[KEEP_OUT]
+    # Patches that apply unchanged keep their bytes; the moved one has new hunk headers.
+    unchanged = [name for name, outcome in expected.items() if outcome == f"applies unchanged (now {renamed.get(name)})"]
+    assert unchanged
+    for name in unchanged:
+        assert (repo_copy / "patches" / renamed[name]).read_bytes() == old_bytes[name], name
     assert (repo_copy / "patches" / renamed[LINEAR]).read_bytes() != old_bytes[LINEAR]
 
     # Every patch of the new series applies to the release exactly: no offsets left.
@@ -149,11 +154,11 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     target = "deepspeed/runtime/zero/partition_parameters.py"
 
     def change(tree):
-        # Upstream rewrites a line that the first hunk of KEEP_OUT has as context.
+        # Upstream rewrites a line that a hunk of NEVER_PARTITION has as context.
         path = tree / target
         text = path.read_text()
-        assert text.count(KEEP_OUT_CONTEXT) == 1
-        path.write_text(text.replace(KEEP_OUT_CONTEXT, KEEP_OUT_CONTEXT_NEW))
+        assert text.count(NEVER_PARTITION_CONTEXT) == 1
+        path.write_text(text.replace(NEVER_PARTITION_CONTEXT, NEVER_PARTITION_CONTEXT_NEW))
 
     release = make_release(upstream_sdist, tmp_path / "release", change)
     before = tree_files(repo_copy)
@@ -164,21 +169,24 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     assert proc.returncode != 0
     report = report_of(proc.stdout)
     names = list(old_patches)
-    before_conflict = names[:names.index(KEEP_OUT)]
+    before_conflict = names[:names.index(NEVER_PARTITION)]
     assert all(report[name] == "applies unchanged" for name in before_conflict)
-    assert report[KEEP_OUT] == f"conflicts in {target}"
+    assert report[NEVER_PARTITION] == f"conflicts in {target}"
     assert all(report[name] == "not tried" for name in names[len(before_conflict) + 1:])
     assert f"{target}.rej" in proc.stdout and "refresh --continue" in proc.stdout
     assert tree_files(repo_copy) == before, "a conflicting refresh changed upstream.toml or patches/"
 
-    # The queue: the new base, the patches before KEEP_OUT, and git am stopped on it.
+    # The queue: the new base, the patches before NEVER_PARTITION, and git am stopped on it.
     assert git(queue, "log", "-1", "--format=%s", "upstream").strip() == f"deepspeed {NEW} (pristine sdist)"
     assert git(queue, "log", "--reverse", "--format=%s",
                "upstream..HEAD").splitlines() == [old_patches[name].subject for name in before_conflict]
     assert (queue / ".git" / "rebase-apply").is_dir()
-    assert old_patches[KEEP_OUT].subject in git(queue, "am", "--show-current-patch=raw")
+    assert old_patches[NEVER_PARTITION].subject in git(queue, "am", "--show-current-patch=raw")
     assert (queue / f"{target}.rej").is_file()
-    assert git(queue, "diff", "--cached", "--name-only").split() == [target]  # the hunks that apply, staged
+    # The hunks that apply, staged: all of the patch's files, the conflicting one in part.
+    patch_files = sorted(re.findall(r"^diff --git a/(\S+) ", old_patches[NEVER_PARTITION].path.read_text(), re.M))
+    assert target in patch_files
+    assert git(queue, "diff", "--cached", "--name-only").split() == patch_files
 
     # Continuing before git am is done is refused, and still changes nothing.
     early = forktools(repo_copy, "refresh", "--continue", "--dir", str(queue))
@@ -186,12 +194,12 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     assert tree_files(repo_copy) == before
 
     # Resolve as a maintainer would: the patch with its context line updated, then git am --continue.
-    git(queue, "checkout", "HEAD", "--", target)
+    git(queue, "checkout", "HEAD", "--", *patch_files)
     (queue / f"{target}.rej").unlink()
-    patch_text = old_patches[KEEP_OUT].path.read_text()
-    assert patch_text.count(KEEP_OUT_CONTEXT) == 1
+    patch_text = old_patches[NEVER_PARTITION].path.read_text()
+    assert patch_text.count(NEVER_PARTITION_CONTEXT) == 1
     resolved = tmp_path / "resolved.patch"
-    resolved.write_text(patch_text.replace(KEEP_OUT_CONTEXT, KEEP_OUT_CONTEXT_NEW))
+    resolved.write_text(patch_text.replace(NEVER_PARTITION_CONTEXT, NEVER_PARTITION_CONTEXT_NEW))
     git(queue, "apply", "--index", str(resolved))
     git(queue, "-c", "user.name=Test Maintainer", "-c", "user.email=test@example.invalid", "am", "--continue")
 
@@ -199,8 +207,8 @@ def test_conflict_stops_in_a_resumable_queue_and_changes_nothing(repo_copy, upst
     print(done.stdout)
     assert done.returncode == 0, done.stdout
     report = report_of(done.stdout)
-    assert report[KEEP_OUT] == "conflict resolved in the queue (refreshed)"
-    assert all(report[name] == "applies unchanged" for name in names if name != KEEP_OUT)
+    assert report[NEVER_PARTITION] == "conflict resolved in the queue (refreshed)"
+    assert all(report[name] == "applies unchanged" for name in names if name != NEVER_PARTITION)
     assert (read_pin(repo_copy).version, read_pin(repo_copy).sha256) == (NEW, sha256_of(release))
     assert series_names(repo_copy) == names
-    assert f" {KEEP_OUT_CONTEXT_NEW}\n" in (repo_copy / "patches" / KEEP_OUT).read_text()
+    assert f" {NEVER_PARTITION_CONTEXT_NEW}\n" in (repo_copy / "patches" / NEVER_PARTITION).read_text()

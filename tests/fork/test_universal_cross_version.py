@@ -5,7 +5,8 @@
 """The universal checkpoint format is the upstream release's, both ways: a checkpoint converted by
 the fork's ds_to_universal restores with load_universal in the pinned upstream release, and one
 converted by the release restores in the fork, at ZeRO-2 and ZeRO-3, bit for bit, optimizer
-state included (the next steps' losses match)."""
+state included (the next steps' losses match). And a ZeRO-3 checkpoint of a model with zero-element
+parameters saved by the release loads in the fork, which keeps those parameters unpartitioned."""
 
 import os
 import subprocess
@@ -16,9 +17,10 @@ from conftest import remove_shm_segments
 from unit.common import get_master_port
 
 SCRIPT = Path(__file__).with_name("universal_cross_version.py")
+ZERO_EMPTY_PARAMS_SCRIPT = Path(__file__).with_name("zero_empty_params_cross_version.py")
 
 
-def run_side(site, *args):
+def run_side(site, *args, script=SCRIPT):
     """The script under the fork (``site`` None: the deepspeed this test session runs) or under the
     upstream release installed in ``site``."""
     port = get_master_port()
@@ -33,7 +35,7 @@ def run_side(site, *args):
         # As the reproducer test does: the upstream build's own JIT extension folder.
         env.update(PYTHONPATH=str(site), TORCH_EXTENSIONS_DIR=str(site.parent / "torch_extensions"))
     try:
-        proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)],
+        proc = subprocess.run([sys.executable, str(script), *map(str, args)],
                               env=env,
                               stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT,
@@ -53,3 +55,9 @@ def test_universal_format_round_trips_with_upstream(builds, tmp_path):
     # The pinned release built with an empty series: no patch of the fork in it.
     assert "OK load deepspeed 0.19.8+fork.0." in run_side(upstream, "load", tmp_path, "fork_universal")
     run_side(None, "load", tmp_path, "upstream_universal")
+
+
+def test_zero_element_params_checkpoint_of_upstream_loads(builds, tmp_path):
+    # 0.19.8 saves zero-element parameters as (0,) placeholders; the fork keeps them whole.
+    run_side(builds["upstream"], "save", tmp_path, script=ZERO_EMPTY_PARAMS_SCRIPT)
+    run_side(None, "load", tmp_path, script=ZERO_EMPTY_PARAMS_SCRIPT)

@@ -121,7 +121,7 @@ def universal_files(folder):
             path = os.path.join(root, name)
             key = os.path.relpath(path, folder)
             if os.path.dirname(os.path.dirname(key)) == "zero":
-                # written with checksums torch.save() left out: every zip tool must accept them
+                # a complete zip archive, its checksums included
                 assert zipfile.ZipFile(path).testzip() is None, key
                 files[key] = torch.load(path, weights_only=False)
             elif key == os.path.join("zero", "optimizer_state.pt"):

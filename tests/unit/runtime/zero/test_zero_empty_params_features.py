@@ -93,7 +93,9 @@ def train(feature, stage, dtype, enabled=True):
         with deepspeed.zero.GatheredParameters([param]):
             params[name] = param.detach().float().cpu().clone()
         if stage == 3:
-            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, param.ds_summary()
+            # Zero-element parameters are never partitioned, so never released either.
+            expected = ZeroParamStatus.AVAILABLE if param.ds_numel == 0 else ZeroParamStatus.NOT_AVAILABLE
+            assert param.ds_status == expected, param.ds_summary()
     return losses, params
 
 

@@ -26,6 +26,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unit.runtime.zero.test_zero_empty_params import HIDDEN, MODELS, zero_config  # noqa: E402
+from universal_cross_version import weights  # noqa: E402
 
 TAG = "init"
 
@@ -37,14 +38,6 @@ def make_engine(model_cls, seed):
                                            model_parameters=model.parameters(),
                                            config=zero_config(3, torch.float32))
     return engine
-
-
-def weights(engine):
-    result = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            result[name] = param.detach().clone()
-    return result
 
 
 def main():

@@ -110,8 +110,10 @@ def test_a_topic_carries_its_update_of_an_upstream_test(exported):
     assert "## Upstream tests this changes" in description
     assert "`tests/unit/runtime/zero/test_zero_leaf_module.py`" in description
     assert "test_no_grad_input_error expected set_z3_leaf_modules to fail" in description
-    others = [d for t, d in exported if t.name != topic.name]
-    assert not any((d / "upstream-test-updates.patch").exists() for d in others)
+    # Every other topic carries an update exactly when it has one of its own.
+    for other, other_dir in exported:
+        own = REPO / "patches" / "upstream-tests" / f"{other.name}.patch"
+        assert (other_dir / "upstream-test-updates.patch").exists() == own.exists(), other.name
 
 
 def test_unknown_dependency_is_refused_by_name(repo_copy, upstream_sdist, tmp_path):

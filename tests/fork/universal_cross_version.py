@@ -24,7 +24,7 @@ import deepspeed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The model, config and training of the fork's own streaming test.
-from unit.checkpoint.test_ds_to_universal_streaming import make_engine, train  # noqa: E402
+from unit.checkpoint.test_ds_to_universal_output import make_engine, train  # noqa: E402
 
 STAGES = (2, 3)
 STEPS = 2

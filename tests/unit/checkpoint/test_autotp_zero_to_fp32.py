@@ -69,13 +69,12 @@ def save_trained_checkpoint(tmpdir, stage, tp_size, uneven):
 
 
 def run_saved_script(save_dir, output_dir):
-    """The zero_to_fp32.py saved into the checkpoint, run as users run it; returns its stderr."""
+    """The zero_to_fp32.py saved into the checkpoint, run as users run it."""
     result = subprocess.run(
         [sys.executable, os.path.join(save_dir, "zero_to_fp32.py"), save_dir, output_dir],
         capture_output=True,
         text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    return result.stderr
 
 
 def copy_checkpoint(save_dir, name):
@@ -144,8 +143,7 @@ class TestAutoTPZeroToFp32(DistributedTest):
             # The script (a subprocess: a few seconds each) at tp2 ZeRO-1 and tp2 x dp2 ZeRO-3.
             if uneven and (stage, dist.get_world_size()) in ((1, 2), (3, 4)):
                 output_dir = os.path.join(save_dir, "fp32")
-                stderr = run_saved_script(save_dir, output_dir)
-                assert "Gathering sharded weights: 100%" in stderr and "21/21" in stderr
+                run_saved_script(save_dir, output_dir)
                 assert_matches_reference(torch.load(os.path.join(output_dir, "pytorch_model.bin")), reference)
             if uneven and dist.get_world_size() == 4:
                 assert_refuses_incomplete_checkpoints(save_dir, stage)

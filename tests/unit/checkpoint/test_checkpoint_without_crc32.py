@@ -16,7 +16,7 @@ import deepspeed
 from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from unit.checkpoint.test_ds_to_universal_streaming import convert_args, make_engine, train
+from unit.checkpoint.test_ds_to_universal_output import convert_args, make_engine, train
 from unit.common import DistributedTest
 
 TAG = "step1"

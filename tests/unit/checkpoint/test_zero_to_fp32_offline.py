@@ -136,7 +136,7 @@ class TestZeroToFp32Offline(DistributedTest):
         # The script's defaults: one pytorch_model.bin (under the default 5GB shard size).
         output_dir = os.path.join(tmpdir, "bin")
         result = run_script(save_dir, output_dir)
-        assert "zero_to_fp32: wrote pytorch_model.bin" in result.stderr
+        assert "Saving checkpoint shards: 100%" in result.stderr
         assert output_files(output_dir) == ["pytorch_model.bin"]
         with open(os.path.join(output_dir, MANIFEST)) as f:
             assert json.load(f) == ["pytorch_model.bin"]
@@ -280,3 +280,49 @@ class TestZeroToFp32SafetensorsBytes(DistributedTest):
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 assert tensor.data_ptr() % tensor.element_size() == 0, name
+
+
+class TestZeroToFp32ShardsTiedWeights(DistributedTest):
+    """Shards follow huggingface_hub's rule with or without it installed: a model with tied input and
+    output embeddings is split the same way by the script on a fresh install as by the API with
+    huggingface_hub, the tied tensors in one shard and counted once in ``metadata.total_size``."""
+    world_size = 1
+
+    def test(self, tmpdir):
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = llama_config()
+        config.tie_word_embeddings = True
+        model = LlamaForCausalLM(config)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "Adam",
+                "params": {
+                    "torch_adam": True
+                }
+            },
+            "zero_optimization": {
+                "stage": 2
+            }
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+        save_dir = str(tmpdir.join("checkpoint"))
+        engine.save_checkpoint(save_dir, tag=TAG)
+
+        indexes = []
+        for output_dir in (str(tmpdir.join("with-hub")), str(tmpdir.join("fresh-install"))):
+            if output_dir.endswith("with-hub"):
+                convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, max_shard_size="50KB")
+            else:
+                run_script(save_dir, output_dir, "--max_shard_size", "50KB")
+            with open(os.path.join(output_dir, "pytorch_model.bin.index.json")) as f:
+                indexes.append(json.load(f))
+            loaded = {}
+            for name in set(indexes[-1]["weight_map"].values()):
+                loaded.update(torch.load(os.path.join(output_dir, name)))
+            assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
+        assert indexes[0] == indexes[1]
+        unique = {tensor.data_ptr(): tensor for tensor in model.state_dict().values()}.values()
+        assert indexes[0]["metadata"]["total_size"] == sum(tensor.numel() * 4 for tensor in unique)

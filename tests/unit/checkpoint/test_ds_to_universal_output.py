@@ -78,6 +78,14 @@ def train(engine, steps, seed):
     return losses
 
 
+def trained_checkpoint(stage, folder):
+    """An engine after two steps, and its checkpoint in ``folder``, tag ``step2``."""
+    engine = make_engine(stage)
+    train(engine, 2, seed=1)
+    engine.save_checkpoint(folder, tag="step2")
+    return engine
+
+
 def convert_args(input_folder, output_folder, workers=1):
     return argparse.Namespace(input_folder=input_folder,
                               output_folder=output_folder,
@@ -149,10 +157,8 @@ class TestDsToUniversalOutput(DistributedTest):
     reuse_dist_env = True
 
     def test(self, stage, tmpdir):
-        engine = make_engine(stage)
-        train(engine, 2, seed=1)
         folder = str(tmpdir)
-        engine.save_checkpoint(folder, tag="step2")
+        engine = trained_checkpoint(stage, folder)
         dist.barrier()
         checkpoint = os.path.join(folder, "step2")
         if dist.get_rank() == 0:

@@ -21,7 +21,7 @@ from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.checkpoint.test_ds_to_universal_output import (assert_same, convert_args, make_engine, run_cli, train,
-                                                         universal_files)
+                                                         trained_checkpoint, universal_files)
 from unit.common import DistributedTest
 
 
@@ -31,10 +31,8 @@ class TestDsToUniversalStreaming(DistributedTest):
     reuse_dist_env = True
 
     def test(self, stage, tmpdir):
-        engine = make_engine(stage)
-        train(engine, 2, seed=1)
         folder = str(tmpdir)
-        engine.save_checkpoint(folder, tag="step2")
+        engine = trained_checkpoint(stage, folder)
         next_losses = train(engine, 2, seed=2)
         dist.barrier()
         checkpoint = os.path.join(folder, "step2")

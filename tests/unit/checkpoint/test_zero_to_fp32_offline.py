@@ -237,6 +237,23 @@ class TestZeroToFp32Offline(DistributedTest):
             assert not os.path.exists(os.path.join(copy, "out"))
 
 
+def zero2_engine(model):
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": 2
+        }
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
 class TestZeroToFp32SafetensorsBytes(DistributedTest):
     """safetensors output is what the safetensors library writes for the same tensors: laid out by
     descending dtype, so that every tensor is aligned to its element size in the file."""
@@ -252,19 +269,7 @@ class TestZeroToFp32SafetensorsBytes(DistributedTest):
         # A boolean mask and integer positions, as models register them, before the fp32 weights.
         model.model.register_buffer("padding_mask", torch.tensor([True, False, True]))
         model.model.register_buffer("position_ids", torch.arange(5))
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "optimizer": {
-                "type": "Adam",
-                "params": {
-                    "torch_adam": True
-                }
-            },
-            "zero_optimization": {
-                "stage": 2
-            }
-        }
-        engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        engine = zero2_engine(model)
         save_dir = str(tmpdir.join("checkpoint"))
         engine.save_checkpoint(save_dir, tag=TAG)
         output_dir = str(tmpdir.join("out"))
@@ -295,19 +300,7 @@ class TestZeroToFp32ShardsTiedWeights(DistributedTest):
         config = llama_config()
         config.tie_word_embeddings = True
         model = LlamaForCausalLM(config)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "optimizer": {
-                "type": "Adam",
-                "params": {
-                    "torch_adam": True
-                }
-            },
-            "zero_optimization": {
-                "stage": 2
-            }
-        }
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+        engine = zero2_engine(model)
         save_dir = str(tmpdir.join("checkpoint"))
         engine.save_checkpoint(save_dir, tag=TAG)
 

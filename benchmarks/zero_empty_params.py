@@ -8,11 +8,14 @@ One run measures, at world sizes 1 and 2 (gloo on CPU unless an accelerator is p
 
 * a ZeRO-3 model of sized layers plus K submodules whose parameters all have zero elements
   (``Linear(h, 0)``, as an adapter at rank 0), for K = 16 and 256, on the fork and on upstream
-  0.19.8 with only the gather-gate fix (patch 0002), beside a control: the fork with K
+  0.19.8 with only the gather-gate fix (patch 0002), beside a control: the same model with K
   ``Linear(h, 0)`` submodules whose weight is a buffer that requires grad instead of a parameter
-  (the same computation and autograd graph), so that the ratio fork / control is ZeRO-3's cost
-  of the parameters alone. All-gathers, reduce-scatters and all-reduces of one training step, and the median step
-  time; the variants alternate, ``--repeats`` times, and each row gives the median of the runs;
+  (the same computation and autograd graph), so that the ratio model / control is ZeRO-3's cost
+  of the parameters alone. Each run trains the model and its control as two engines in one
+  process, on the same build, stepping them in turn (ABBA) so that both see the same machine
+  load, and builds them in the opposite order from the run before: all-gathers, reduce-scatters
+  and all-reduces of one training step of each, and the median step times. Each row gives the
+  median over ``--repeats`` runs of the per-run ratio of the medians, with its spread;
 * the step-time ratio fork / unpatched upstream on the same model without empty parameters
   (K = 0), alternating the two ``--repeats`` times, with the spread of the per-pair ratios.
 
@@ -76,7 +79,7 @@ def prepare_trees(workdir):
     return trees
 
 
-def run_variant(tree, world_size, num_empty, steps, ext_dir, control=False):
+def run_variant(tree, world_size, num_empty, steps, ext_dir, control=False, control_first=False):
     """Run the worker on ``world_size`` ranks against ``tree``; return rank 0's measurement."""
     env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext_dir))
     cmd = [
@@ -85,7 +88,7 @@ def run_variant(tree, world_size, num_empty, steps, ext_dir, control=False):
         str(free_port()), __file__, "--worker", "--num-empty",
         str(num_empty), "--steps",
         str(steps)
-    ] + (["--control"] if control else [])
+    ] + (["--control"] if control else []) + (["--control-first"] if control_first else [])
     proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -94,7 +97,9 @@ def run_variant(tree, world_size, num_empty, steps, ext_dir, control=False):
     return {"error": tail}
 
 
-def worker(num_empty, steps, control):
+def worker(num_empty, steps, control, control_first):
+    """Train the model with ``num_empty`` empty submodules, and with ``control`` its control beside it
+    (built first with ``control_first``: the engine built second runs slightly faster)."""
     import torch
     import torch.nn as nn
     import deepspeed
@@ -111,10 +116,9 @@ def worker(num_empty, steps, control):
 
     class Model(nn.Module):
 
-        def __init__(self):
+        def __init__(self, empty_cls):
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(SIZED_LAYERS)])
-            empty_cls = EmptyBuffer if control else lambda: nn.Linear(HIDDEN, 0, bias=False)
             self.empties = nn.ModuleList([empty_cls() for _ in range(num_empty)])
 
         def forward(self, x):
@@ -125,8 +129,6 @@ def worker(num_empty, steps, control):
             return x.square().mean()
 
     deepspeed.init_distributed()
-    torch.manual_seed(0)
-    model = Model()
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "steps_per_print": 10**9,
@@ -145,31 +147,55 @@ def worker(num_empty, steps, control):
             "prof_all": True
         },
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x = torch.randn(BATCH, HIDDEN).to(engine.device)
-    warmup = 3
-    times = []
-    counts = {}
-    for step in range(warmup + steps):
-        if step == warmup:
-            dist.reset_log()
+    empty_classes = {"model": lambda: nn.Linear(HIDDEN, 0, bias=False)}
+    if control:
+        empty_classes["control"] = EmptyBuffer
+    if control_first:
+        empty_classes = dict(reversed(empty_classes.items()))
+    engines = {}
+    for name, empty_cls in empty_classes.items():
+        torch.manual_seed(0)
+        model = Model(empty_cls)
+        engines[name], _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(BATCH, HIDDEN).to(engines["model"].device)
+
+    def train_step(engine):
         dist.barrier()
         start = time.perf_counter()
         loss = engine(x)
         engine.backward(loss)
         engine.step()
         dist.barrier()
-        if step == warmup:
-            # Collectives of one step (the first measured one), by operation.
-            counts = {
-                name: sum(entry[0] for entry in by_size.values())
-                for name, by_size in dist.comms_logger.comms_dict.items() if name != "barrier"
-            }
-            dist.configure(enabled=False)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        for engine in engines.values():
+            train_step(engine)
+    # Collectives of one step of each, by operation.
+    counts = {}
+    for name, engine in engines.items():
+        dist.reset_log()
+        train_step(engine)
+        counts[name] = {
+            op: sum(entry[0] for entry in by_size.values())
+            for op, by_size in dist.comms_logger.comms_dict.items() if op != "barrier"
+        }
+    dist.configure(enabled=False)
+    times = {name: [] for name in engines}
+    order = list(engines)
+    for step in range(steps):
+        # ABBA: neither engine always steps right after the other.
+        for name in (order if step % 2 == 0 else order[::-1]):
+            times[name].append(train_step(engines[name]))
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"collectives": counts, "step_ms": 1000 * statistics.median(times)}), flush=True)
+        result = {
+            name: {
+                "collectives": counts[name],
+                "step_ms": 1000 * statistics.median(times[name])
+            }
+            for name in engines
+        }
+        print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -189,11 +215,12 @@ def main():
     parser.add_argument("--num-empty", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--control", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--control-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-zero-empty-params"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.num_empty, args.steps, args.control)
+        worker(args.num_empty, args.steps, args.control, args.control_first)
         return
 
     workdir = Path(args.work_dir)
@@ -201,17 +228,18 @@ def main():
     trees = prepare_trees(workdir / "trees")
     ext_dir = workdir / "torch-extensions"
     results = {"empty_submodules": [], "ratio_runs": []}
-    variants = {"gate-only": ("gate-only", False), "fork": ("fork", False), "control": ("fork", True)}
 
     print("| world size | K empty submodules | variant | all-gathers/step | reduce-scatters/step | "
           "all-reduces/step | step ms | step / control (spread) |")
     print("|---|---|---|---|---|---|---|---|")
     for world_size in map(int, args.world_sizes.split(",")):
         for num_empty in (16, 256):
-            runs = {variant: [] for variant in variants}
-            for _ in range(args.repeats):
-                for variant, (tree, control) in variants.items():
-                    result = run_variant(trees[tree], world_size, num_empty, args.steps, ext_dir / tree, control)
+            runs = {"gate-only": [], "fork": []}
+            for repeat in range(args.repeats):
+                for variant in runs:
+                    control_first = repeat % 2 == 1
+                    result = run_variant(trees[variant], world_size, num_empty, args.steps, ext_dir / variant, True,
+                                         control_first)
                     results["empty_submodules"].append(
                         dict(result, variant=variant, world_size=world_size, num_empty=num_empty))
                     runs[variant].append(result)
@@ -220,14 +248,16 @@ def main():
                 if failed:
                     print(f"| {world_size} | {num_empty} | {variant} | failed: {failed[0]!r} |")
                     continue
-                gathers, reduce_scatters, all_reduces = collective_summary(variant_runs[0]["collectives"])
-                step_ms = statistics.median(run["step_ms"] for run in variant_runs)
-                # Each run against the control run of its own round.
-                ratios = [run["step_ms"] / control["step_ms"] for run, control in zip(variant_runs, runs["control"])]
-                print(
-                    f"| {world_size} | {num_empty} | {variant} | {gathers} | {reduce_scatters} | {all_reduces} | "
-                    f"{step_ms:.2f} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |",
-                    flush=True)
+                ratios = [run["model"]["step_ms"] / run["control"]["step_ms"] for run in variant_runs]
+                for name, label in (("model", variant), ("control", f"{variant}'s control")):
+                    gathers, reduce_scatters, all_reduces = collective_summary(variant_runs[0][name]["collectives"])
+                    step_ms = statistics.median(run[name]["step_ms"] for run in variant_runs)
+                    ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                             if name == "model" else "1")
+                    print(
+                        f"| {world_size} | {num_empty} | {label} | {gathers} | {reduce_scatters} | {all_reduces} | "
+                        f"{step_ms:.2f} | {ratio} |",
+                        flush=True)
 
     step_ms = {"upstream": [], "fork": []}
     for _ in range(args.repeats):
@@ -236,7 +266,7 @@ def main():
             results["ratio_runs"].append(dict(result, variant=variant))
             if "error" in result:
                 sys.exit(f"{variant} failed on a model without empty parameters: {result['error']}")
-            step_ms[variant].append(result["step_ms"])
+            step_ms[variant].append(result["model"]["step_ms"])
     ratios = [fork / upstream for fork, upstream in zip(step_ms["fork"], step_ms["upstream"])]
     fork_ms, upstream_ms = statistics.median(step_ms["fork"]), statistics.median(step_ms["upstream"])
     results["step_time_ratio_fork_over_upstream"] = fork_ms / upstream_ms

@@ -236,8 +236,8 @@ def main():
         for num_empty in (16, 256):
             runs = {"gate-only": [], "fork": []}
             for repeat in range(args.repeats):
+                control_first = repeat % 2 == 1
                 for variant in runs:
-                    control_first = repeat % 2 == 1
                     result = run_variant(trees[variant], world_size, num_empty, args.steps, ext_dir / variant, True,
                                          control_first)
                     results["empty_submodules"].append(

@@ -12,13 +12,20 @@ in fp32, gloo on CPU, saved by unpatched upstream 0.19.8 unless ``--save-with fo
 * ``zero3``: the same kind of Llama, plain ZeRO-3 at world size 2, built under ``zero.Init``
   (569M parameters at ``--scale full``);
 
-and on each, for the variants ``upstream`` (0.19.8) and ``fork``, as a user runs them:
+and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--variants``,
+``fork-trusting``: the fork with its weights_only check off, ``--no_weights_only`` or
+``"checkpoint": {"weights_only": false}``, which loads as the fork did before the check), as a
+user runs them:
 
 * ``zero_to_fp32``: ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`` with the script of the
   variant (the one it saves into every checkpoint) and its default options;
 * ``ds_to_universal``: ``python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG_DIR
   --output_folder OUTPUT_DIR``, first without options; if the variant refuses for want of
   ``--inject_missing_state``, again with it (the table says which runs needed it);
+* ``load_checkpoint`` (``--tools load_checkpoint``): a training job of the checkpoint's topology
+  (same world size, model built as when it was saved) that resumes from it with
+  ``engine.load_checkpoint(dir)``; the time is that of ``load_checkpoint`` alone (slowest rank),
+  the memory that of the whole job;
 * ``cp -r`` of the checkpoint folder, the floor; and ``python -c 'import deepspeed'`` alone, what
   every run of a tool pays before it reads a byte.
 
@@ -67,8 +74,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("zero_to_fp32", "ds_to_universal")
-VARIANTS = ("upstream", "fork")
+TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint")
+# fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
+# ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
+VARIANTS = ("upstream", "fork", "fork-trusting")
+DEFAULT_VARIANTS = ("upstream", "fork")
 SEQ_LEN = 16
 SAMPLE_S = 0.05
 # The model of each checkpoint kind, by scale: LlamaConfig arguments.
@@ -175,8 +185,8 @@ def log_memory(phase):
           flush=True)
 
 
-def create_worker(kind, scale, save_dir):
-    """One rank of the run that trains one step and saves the checkpoint ``kind``."""
+def build_engine(kind, scale, checkpoint_config=None):
+    """One rank's engine of the checkpoint ``kind``'s model; returns it with its number of parameters."""
     import torch
     import deepspeed
     import deepspeed.comm as dist
@@ -210,6 +220,8 @@ def create_worker(kind, scale, save_dir):
     }
     if tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": tp_size}
+    if checkpoint_config:
+        config["checkpoint"] = checkpoint_config
     torch.manual_seed(1234)
     llama = llama_config(model_name, scale)
     if tp_size == 1 and stage == 3:
@@ -223,8 +235,18 @@ def create_worker(kind, scale, save_dir):
     log_memory("model built")
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     log_memory("engine initialized")
+    return engine, num_params
+
+
+def create_worker(kind, scale, save_dir):
+    """One rank of the run that trains one step and saves the checkpoint ``kind``."""
+    import torch
+    import deepspeed.comm as dist
+
+    engine, num_params = build_engine(kind, scale)
+    tp_size = CHECKPOINTS[kind][3]
     generator = torch.Generator().manual_seed(dist.get_rank() // tp_size)
-    ids = torch.randint(0, llama.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
+    ids = torch.randint(0, engine.module.config.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
@@ -234,6 +256,24 @@ def create_worker(kind, scale, save_dir):
     dist.barrier()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"num_params": num_params}), flush=True)
+    dist.destroy_process_group()
+
+
+def load_worker(kind, scale, save_dir, weights_only):
+    """One rank of a training job that resumes from the checkpoint ``kind`` (same topology); prints
+    the wall time of ``load_checkpoint`` alone, the slowest rank's."""
+    import deepspeed.comm as dist
+
+    checkpoint_config = None if weights_only else {"weights_only": False}
+    engine, _ = build_engine(kind, scale, checkpoint_config)
+    dist.barrier()
+    start = time.perf_counter()
+    engine.load_checkpoint(save_dir)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    log_memory("loaded")
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"load_s": elapsed}), flush=True)
     dist.destroy_process_group()
 
 
@@ -428,20 +468,29 @@ def error_line(log_file):
     return (lines[-1] if lines else "no output")[:200]
 
 
-def tool_command(tool, script, checkpoint_dir, output_dir, inject):
+def tool_command(tool, script, checkpoint_dir, output_dir, inject, trusting=False):
     if tool == "import deepspeed":
         return [sys.executable, "-c", "import deepspeed"]
     if tool == "cp -r":
         return ["cp", "-r", str(checkpoint_dir), str(output_dir)]
+    trust = ["--no_weights_only"] if trusting else []
     if tool == "zero_to_fp32":
-        return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)]
+        return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + trust
+    if tool == "load_checkpoint":
+        kind, scale = checkpoint_dir.name, checkpoint_dir.parent.name
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+            str(CHECKPOINTS[kind][2]), "--master_port",
+            str(free_port()), __file__, "--load", kind, "--scale", scale, "--save-dir",
+            str(checkpoint_dir)
+        ] + trust
     tag_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
     cmd = [
         sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
         str(tag_dir), "--output_folder",
         str(output_dir)
     ]
-    return cmd + (["--inject_missing_state"] if inject else [])
+    return cmd + (["--inject_missing_state"] if inject else []) + trust
 
 
 def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat):
@@ -451,7 +500,8 @@ def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, rep
     scratch.mkdir(parents=True)
     prefix = checkpoint_dir.name if checkpoint_dir else "none"
     log_file = runs_dir / f"{prefix}-{tool.replace(' ', '')}-{variant}-{repeat}.log"
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir / variant))
+    build = variant.split("-")[0]
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir / build))
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     output_dir = scratch / "out"
@@ -459,10 +509,18 @@ def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, rep
     if tool == "zero_to_fp32":
         # The copy that save_checkpoint writes next to the tag folders, run as users run it (from its
         # own folder: run in place, deepspeed/utils would shadow the standard library's ``types``).
-        script = runs_dir / "scripts" / variant / "zero_to_fp32.py"
+        script = runs_dir / "scripts" / build / "zero_to_fp32.py"
         script.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tree / "deepspeed" / "utils" / "zero_to_fp32.py", script)
-    result = run_measured(tool_command(tool, script, checkpoint_dir, output_dir, inject), env, scratch, log_file)
+    if tool == "load_checkpoint":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # as when the checkpoint was created
+    cmd = tool_command(tool, script, checkpoint_dir, output_dir, inject, trusting=variant == "fork-trusting")
+    result = run_measured(cmd, env, scratch, log_file)
+    for line in Path(log_file).read_text(errors="replace").splitlines():
+        if line.startswith("RESULT ") and tool == "load_checkpoint":
+            # The time of load_checkpoint alone; the job's (engine initialization included) is kept.
+            result["job_seconds"] = result["seconds"]
+            result["seconds"] = json.loads(line[len("RESULT "):])["load_s"]
     result["output_bytes"] = du(output_dir)
     result["inject_missing_state"] = inject
     result["log"] = str(log_file)
@@ -521,14 +579,19 @@ def main():
     parser.add_argument("--checkpoints",
                         default=",".join(CHECKPOINTS),
                         help=f"comma-separated subset of {', '.join(CHECKPOINTS)}")
-    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {', '.join(TOOLS)}")
+    parser.add_argument("--tools",
+                        default="zero_to_fp32,ds_to_universal",
+                        help=f"comma-separated subset of {', '.join(TOOLS)}")
+    parser.add_argument("--variants",
+                        default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated subset of {', '.join(VARIANTS)}, measured in turn in each repeat")
     parser.add_argument("--fork-tree",
                         action="append",
                         metavar="[TOOL=]PATH",
                         help="run the fork variant from this source tree instead of building it from patches/ "
                         "(repeatable; TOOL= limits it to zero_to_fp32 or ds_to_universal)")
     parser.add_argument("--save-with",
-                        choices=VARIANTS,
+                        choices=DEFAULT_VARIANTS,
                         default="upstream",
                         help="the variant that saves the checkpoints (default: unpatched upstream, what "
                         "users' checkpoints are)")
@@ -538,6 +601,8 @@ def main():
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-checkpoint-tools"))
     parser.add_argument("--create", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--load", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--no_weights_only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
@@ -546,6 +611,9 @@ def main():
     args = parser.parse_args()
     if args.create:
         create_worker(args.create, args.scale, args.save_dir)
+        return
+    if args.load:
+        load_worker(args.load, args.scale, args.save_dir, weights_only=not args.no_weights_only)
         return
     if args.measure:
         print("MEASURE " + json.dumps(measure(args.command, Path(args.scratch), args.log)), flush=True)
@@ -559,6 +627,10 @@ def main():
     for name in tools:
         if name not in TOOLS:
             sys.exit(f"--tools: unknown tool {name!r}")
+    variants = [v for v in args.variants.split(",") if v]
+    for name in variants:
+        if name not in VARIANTS:
+            sys.exit(f"--variants: unknown variant {name!r}")
     fork_trees = parse_fork_trees(args.fork_tree)
     workdir = Path(args.work_dir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -580,12 +652,15 @@ def main():
     fork_trees = {tool: snapshots[tree] for tool, tree in fork_trees.items()}
     descriptions = {snapshots[tree]: f"{text} (snapshot: {snapshots[tree]})" for tree, text in descriptions.items()}
     trees = {tool: {"upstream": built["upstream"], "fork": fork_trees.get(tool, built["fork"])} for tool in TOOLS}
+    for tool in TOOLS:
+        trees[tool]["fork-trusting"] = trees[tool]["fork"]
     head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h"], stdout=subprocess.PIPE,
                           text=True).stdout.strip()
     built_description = {
         "upstream": "the pinned upstream sdist, unpatched",
         "fork": f"the pinned upstream sdist + patches/series of {REPO} at {head or 'its working tree'}",
     }
+    built_description["fork-trusting"] = built_description["fork"] + ", weights_only off"
 
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -597,14 +672,14 @@ def main():
         "trees": {
             tool: {
                 v: descriptions.get(t, built_description[v])
-                for v, t in trees[tool].items()
+                for v, t in trees[tool].items() if v in variants
             }
             for tool in tools
         },
         "checkpoints": {},
     }
     for tool in tools:
-        for variant in VARIANTS:
+        for variant in variants:
             print(f"{tool} {variant}: {results['trees'][tool][variant]}")
     metas = {
         kind: ensure_checkpoint(kind, args.scale, workdir, built[args.save_with], args.save_with, ext_dir)
@@ -615,7 +690,7 @@ def main():
 
     # What every run of a tool pays before it reads a byte: the interpreter and the imports.
     results["import_deepspeed"] = {}
-    for variant in VARIANTS:
+    for variant in sorted({v.split("-")[0] for v in variants}):
         runs = [
             run_tool("import deepspeed", variant, built[variant], None, runs_dir, ext_dir, False, r)
             for r in range(args.repeats)
@@ -653,10 +728,10 @@ def main():
         entry["tools"]["cp -r"] = {"-": dict(cp, all=cp_runs)}
         print(table_row(kind, meta, "cp -r", "-", cp, cp["seconds"]), flush=True)
         for tool in tools:
-            runs = {variant: [] for variant in VARIANTS}
-            inject = {variant: False for variant in VARIANTS}
+            runs = {variant: [] for variant in variants}
+            inject = {variant: False for variant in variants}
             for repeat in range(args.repeats):
-                for variant in VARIANTS:
+                for variant in variants:
                     if runs[variant] and "error" in runs[variant][-1]:
                         continue  # refused: once is enough
                     result = timed(tool, variant, trees[tool][variant], inject[variant], repeat)
@@ -667,7 +742,7 @@ def main():
                         result = timed(tool, variant, trees[tool][variant], True, repeat)
                     runs[variant].append(result)
             entry["tools"][tool] = {}
-            for variant in VARIANTS:
+            for variant in variants:
                 summary = summarize(runs[variant])
                 entry["tools"][tool][variant] = dict(summary, all=runs[variant])
                 print(table_row(kind, meta, tool, variant, summary, cp["seconds"]), flush=True)

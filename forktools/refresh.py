@@ -112,7 +112,8 @@ def refresh(repo, queue, version, sdist=None, force=False, dry_run=False):
                                   version,
                                   workdir / "download",
                                   hint=f"Check pip's index settings, or pass --sdist with a local copy of "
-                                  f"{old_pin.name}-{version}.tar.gz.")
+                                  f"{old_pin.name}-{version}.tar.gz.",
+                                  sha256=old_pin.sha256 if version == old_pin.version else None)
         if version == old_pin.version:
             verify_sdist(old_pin, path)  # the same release again: it has to be the very file pinned
         state = RefreshState(old_version=old_pin.version,

@@ -77,14 +77,18 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+def _hash_mismatch(what, expected, actual, sdist_name):
+    return ForkError(f"sha256 mismatch for {what}:\n"
+                     f"  expected {expected} (pinned in {PIN_FILE})\n"
+                     f"  got      {actual}\n"
+                     f"Refusing to build from an upstream source that is not the pinned {sdist_name}.")
+
+
 def verify_sdist(pin, path):
     """Refuse any file but the pinned one, naming both hashes."""
     actual = sha256_of(path)
     if actual != pin.sha256:
-        raise ForkError(f"sha256 mismatch for {path}:\n"
-                        f"  expected {pin.sha256} (pinned in {PIN_FILE})\n"
-                        f"  got      {actual}\n"
-                        f"Refusing to build from an upstream source that is not the pinned {pin.sdist_name}.")
+        raise _hash_mismatch(path, pin.sha256, actual, pin.sdist_name)
     return path
 
 
@@ -102,16 +106,24 @@ def fetch_sdist(pin, dest, explicit=None):
             raise ForkError(f"upstream sdist {path} (given by {SDIST_ENV} or the sdist config setting) does not exist")
         return verify_sdist(pin, path)
 
+    # pip checks the pinned hash right after the download, before it prepares the sdist's metadata
+    # (which runs its setup.py): a file that is not the pinned one never runs.
     path = download_sdist(
         pin.name,
         pin.version,
         dest,
-        hint=f"Check pip's index settings, or point {SDIST_ENV} at a local copy of {pin.sdist_name}.")
+        hint=f"Check pip's index settings, or point {SDIST_ENV} at a local copy of {pin.sdist_name}.",
+        sha256=pin.sha256)
     return verify_sdist(pin, path)
 
 
-def download_sdist(name, version, dest, hint):
-    """Download ``name==version``'s sdist into ``dest`` with pip and return its path (not verified)."""
+def download_sdist(name, version, dest, hint, sha256=None):
+    """Download ``name==version``'s sdist into ``dest`` with pip and return its path.
+
+    With ``sha256`` (the pinned hash), pip runs in hash-checking mode: it refuses any other file
+    before it prepares the sdist's metadata, so no code of an unpinned file runs. Without it (a new
+    release whose hash is not known yet), the file is not verified and pip runs its setup.py.
+    """
     dest = Path(dest)
     requirement, sdist_name = f"{name}=={version}", f"{name}-{version}.tar.gz"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check"]
@@ -119,16 +131,34 @@ def download_sdist(name, version, dest, hint):
         # pip prepares the sdist's metadata with the setuptools we already run under instead of
         # installing a second build environment (which needs the index again and fails offline).
         cmd.append("--no-build-isolation")
-    cmd += ["-d", str(dest), requirement]
+    cmd += ["-d", str(dest)]
     # When this runs inside pip's hook runner, its variables name *our* backend; the nested pip
     # would hand them on to the upstream sdist's setuptools backend and refuse to run it.
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PEP517_", "_PYPROJECT_HOOKS_"))}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shown = ""
+    with tempfile.TemporaryDirectory(prefix="deepspeed-fork-pin-") as tmp:
+        if sha256 is None:
+            cmd.append(requirement)
+        else:
+            requirements, line = Path(tmp) / "pinned-requirements.txt", f"{requirement} --hash=sha256:{sha256}"
+            requirements.write_text(line + "\n")
+            cmd += ["--require-hashes", "-r", str(requirements)]
+            shown = f"  ({requirements.name}: {line})\n"
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     path = dest / sdist_name
     if proc.returncode != 0 or not path.is_file():
+        if sha256 is not None:
+            # pip's hash-mismatch report (pip keeps no file): "    <requirement> from <url> (from -r ...):",
+            # then "        Expected sha256 <pinned>" and "             Got        <actual>".
+            got = re.search(
+                rf"(?:{re.escape(requirement)} from (\S+).*\n)?"
+                rf"\s*Expected sha256 {sha256}\s*\n\s*Got\s+([0-9a-fA-F]{{64}})\s*$", proc.stdout, re.M)
+            if got:
+                source = got.group(1).rstrip(":") if got.group(1) else "the package index"
+                raise _hash_mismatch(f"{sdist_name} from {source}", sha256, got.group(2).lower(), sdist_name)
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
         raise ForkError(f"could not fetch the upstream sdist {sdist_name} ({requirement}) with pip:\n"
-                        f"  {' '.join(cmd)}\n{tail}\n{hint}")
+                        f"  {' '.join(cmd)}\n{shown}{tail}\n{hint}")
     return path
 
 

@@ -5,11 +5,16 @@
 """The in-tree build backend: pinned sdist + series -> wheel, and its refusals."""
 
 import os
+import re
+import subprocess
+import sys
+import tarfile
 import zipfile
 
 from conftest import pip_wheel, tree_files
 
 from forktools.series import read_series
+from forktools.upstream import read_pin, sha256_of
 
 
 def _patch_files(repo):
@@ -105,3 +110,51 @@ def test_series_naming_a_missing_patch(repo_copy, upstream_sdist, tmp_path):
     proc = pip_wheel(repo_copy, tmp_path / "out", sdist=upstream_sdist)
     assert proc.returncode != 0
     assert "lists 9999-missing.patch" in proc.stdout and "does not exist" in proc.stdout
+
+
+def _hostile_sdist(folder, marker):
+    """A fake ``deepspeed-0.19.8.tar.gz`` whose setup.py, if anything runs it, writes ``marker``."""
+    src = folder / "src" / "deepspeed-0.19.8"
+    src.mkdir(parents=True)
+    (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.19.8\n")
+    (src / "setup.py").write_text(f"from pathlib import Path\n"
+                                  f"Path({str(marker)!r}).write_text('upstream code ran')\n"
+                                  f"from setuptools import setup\n"
+                                  f"setup(name='deepspeed', version='0.19.8')\n")
+    sdist = folder / "files" / "deepspeed-0.19.8.tar.gz"
+    sdist.parent.mkdir(parents=True)
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname=src.name)
+    return sdist
+
+
+def test_hostile_index_sdist_is_refused_before_its_code_runs(repo_copy, tmp_path):
+    """A wrong file from the index fails pip's hash check before pip prepares (runs) it."""
+    root, marker = tmp_path / "index", tmp_path / "setup-py-ran"
+    sdist = _hostile_sdist(root, marker)
+    project = root / "simple" / "deepspeed"
+    project.mkdir(parents=True)
+    (project / "index.html").write_text(f'<a href="../../files/{sdist.name}">{sdist.name}</a>\n')
+    pinned = read_pin(repo_copy).sha256
+    before = tree_files(repo_copy)
+
+    # A real index over HTTP on a free port (port 0); it prints the port it got, and logs requests to stderr.
+    serve = [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(root)]
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = re.search(r" port (\d+)", server.stdout.readline()).group(1)
+        # The hostile index is pip's only source: no configuration files, find-links or extra indexes.
+        env = dict(os.environ, PIP_INDEX_URL=f"http://127.0.0.1:{port}/simple", PIP_CONFIG_FILE=os.devnull)
+        for key in ("PIP_NO_INDEX", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
+            env.pop(key, None)
+        proc = pip_wheel(repo_copy, tmp_path / "out", env=env)
+    finally:
+        server.terminate()
+        server.wait()
+    assert proc.returncode != 0
+    assert not marker.exists(), "pip ran the hostile sdist's setup.py before the hash was checked"
+    assert f"sha256 mismatch for {sdist.name} from http://127.0.0.1:{port}/files/{sdist.name}" in proc.stdout
+    assert f"expected {pinned}" in proc.stdout
+    assert f"got      {sha256_of(sdist)}" in proc.stdout
+    assert not list((tmp_path / "out").glob("*.whl"))
+    assert tree_files(repo_copy) == before

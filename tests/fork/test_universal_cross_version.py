@@ -5,8 +5,10 @@
 """The universal checkpoint format is the upstream release's, both ways: a checkpoint converted by
 the fork's ds_to_universal restores with load_universal in the pinned upstream release, and one
 converted by the release restores in the fork, at ZeRO-2 and ZeRO-3, bit for bit, optimizer
-state included (the next steps' losses match). And a ZeRO-3 checkpoint of a model with zero-element
-parameters saved by the release loads in the fork, which keeps those parameters unpartitioned."""
+state included (the next steps' losses match). Checkpoints saved by the release resume in the
+fork and convert with its ds_to_universal, whose readers load with weights_only=True. And a ZeRO-3
+checkpoint of a model with zero-element parameters saved by the release loads in the fork, which
+keeps those parameters unpartitioned."""
 
 import os
 import subprocess
@@ -55,6 +57,14 @@ def test_universal_format_round_trips_with_upstream(builds, tmp_path):
     # The pinned release built with an empty series: no patch of the fork in it.
     assert "OK load deepspeed 0.19.8+fork.0." in run_side(upstream, "load", tmp_path, "fork_universal")
     run_side(None, "load", tmp_path, "upstream_universal")
+
+
+def test_checkpoints_of_upstream_resume_and_convert_in_the_fork(builds, tmp_path):
+    # Read with weights_only=True: what 0.19.8 pickles into its rank files is admitted.
+    run_side(builds["upstream"], "save", tmp_path)
+    run_side(None, "resume", tmp_path)
+    run_side(None, "convert", tmp_path, "fork_universal")
+    run_side(None, "load", tmp_path, "fork_universal")
 
 
 def test_zero_element_params_checkpoint_of_upstream_loads(builds, tmp_path):

@@ -9,6 +9,7 @@ whichever deepspeed is on PYTHONPATH (the fork, or the pinned upstream release):
                          what a restore must reproduce (weights, the next 2 losses)
   convert FOLDER NAME    ds_to_universal each checkpoint into FOLDER/stageN/NAME
   load FOLDER NAME       restore FOLDER/stageN/NAME with load_universal and check it
+  resume FOLDER          restore the checkpoints themselves (no conversion) and check them
 
 Runs as a single rank (world size 1).
 """
@@ -59,10 +60,10 @@ def main():
                                    keep_temp_folder=False,
                                    strict=True,
                                    inject_missing_state=True))
-        elif mode == "load":
+        elif mode in ("load", "resume"):
             expected = torch.load(os.path.join(stage_folder, "expected.pt"))
-            engine = make_engine(stage, load_universal=True)
-            engine.load_checkpoint(stage_folder, tag=sys.argv[3])
+            engine = make_engine(stage, load_universal=mode == "load")
+            engine.load_checkpoint(stage_folder, tag=sys.argv[3] if mode == "load" else "step2")
             restored = weights(engine)
             for name, value in expected["weights"].items():
                 assert torch.equal(restored[name], value), f"stage {stage}: {name} differs after the restore"

@@ -10,7 +10,8 @@ saves ``global_step2``, during which rank 1 is SIGKILLed in the middle of writin
 when a node dies during a save. ``latest`` must still name ``global_step1``, no file of
 ``global_step2`` may be truncated under its final name, a restarted job must resume from
 ``global_step1`` with the weights it had when it was saved, and a load of ``global_step2`` by name
-must be refused with an error that names the missing file, leaving the engine as it was.
+must be refused with an error that names the missing file, leaving the engine as it was. With
+node-local storage (every node saves to its own disk), every node gets its own ``latest``.
 
 This file is also the job: ``python -m torch.distributed.run ... test_checkpoint_killed_save.py``.
 """
@@ -81,6 +82,29 @@ def test_load_of_the_killed_tag_names_its_missing_file(restarted):
         assert "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt (missing)" in line, line
 
 
+def test_every_node_resumes_from_its_own_latest(tmp_path):
+    """``"use_node_local_storage": true``: each node saves to its own disk, so each needs its own
+    ``latest``. Two nodes of one rank each, on this machine, each in its own working folder."""
+    from unit.common import get_master_port
+    port = get_master_port()
+    nodes = []
+    for node_rank in range(2):
+        folder = tmp_path / f"node{node_rank}"
+        folder.mkdir()
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", __file__, "node-local"
+        ]
+        nodes.append(subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node_rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, output
+        with open(tmp_path / f"node{node_rank}" / "ckpt" / "latest") as fd:
+            assert fd.read() == "global_step1"
+        assert f"rank {node_rank}: resumed from global_step1 on its node" in output, output
+
+
 # The job, on every rank.
 
 
@@ -91,7 +115,7 @@ def say(line):
     sys.stdout.flush()
 
 
-def initialize(stage):
+def initialize(stage, node_local=False):
     import torch
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -116,6 +140,9 @@ def initialize(stage):
         },
         "zero_optimization": {
             "stage": stage
+        },
+        "checkpoint": {
+            "use_node_local_storage": node_local
         },
     }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -199,12 +226,34 @@ def resume(save_dir):
         assert torch.equal(actual[name], tensor), name
 
 
+def save_and_resume_on_each_node():
+    import torch
+    import deepspeed.comm as dist
+    engine = initialize(2, node_local=True)
+    train_step(engine)
+    # A relative path: each node's working folder is its own disk.
+    engine.save_checkpoint("ckpt", tag="global_step1")
+    weights = full_weights(engine)
+    fresh = initialize(2, node_local=True)
+    load_path, _ = fresh.load_checkpoint("ckpt")
+    assert load_path is not None, "no latest on this node"
+    assert os.path.basename(os.path.dirname(load_path)) == "global_step1", load_path
+    actual = full_weights(fresh)
+    for name, tensor in weights.items():
+        assert torch.equal(actual[name], tensor), name
+    say(f"rank {dist.get_rank()}: resumed from global_step1 on its node")
+
+
 if __name__ == "__main__":
     import deepspeed
     import deepspeed.comm as dist
     deepspeed.init_distributed()
     if sys.argv[1] == "save":
         save_then_die(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "node-local":
+        save_and_resume_on_each_node()
+        dist.barrier()
+        dist.destroy_process_group()
     else:
         for save_dir in sys.argv[2:]:
             resume(save_dir)

@@ -17,6 +17,7 @@ On deepspeed 0.19.8 every reader unpickles with ``weights_only=False``, and the 
 """
 
 import argparse
+import io
 import os
 import pickle
 import random
@@ -217,6 +218,7 @@ class TestCheckpointToolsWeightsOnlyFlag(DistributedTest):
     world_size = 1
 
     def test_tools_refuse_a_payload_unless_told_to_trust_it(self, tmpdir):
+        """zero_to_fp32 and ds_to_universal as users run them: refused, then --no_weights_only."""
         save_dir = str(tmpdir)
         marker = os.path.join(save_dir, "payload_ran")
         engine = initialize(zero_stage=2)
@@ -230,6 +232,12 @@ class TestCheckpointToolsWeightsOnlyFlag(DistributedTest):
                                   stderr=subprocess.STDOUT,
                                   text=True,
                                   timeout=300)
+
+        # What torch admits loads too: a global the user registers, here the payload's own.
+        with torch.serialization.safe_globals([io.open]):
+            get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="step1")
+        assert os.path.exists(marker)
+        os.remove(marker)
 
         refused = run("deepspeed.utils.zero_to_fp32", save_dir, os.path.join(save_dir, "fp32"))
         assert refused.returncode != 0 and "io.open" in refused.stdout, refused.stdout

@@ -14,8 +14,9 @@ in fp32, gloo on CPU, saved by unpatched upstream 0.19.8 unless ``--save-with fo
 
 and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--variants``,
 ``fork-trusting``: the fork with its weights_only check off, ``--no_weights_only`` or
-``"checkpoint": {"weights_only": false}``, which loads as the fork did before the check), as a
-user runs them:
+``"checkpoint": {"weights_only": false}``, which loads as the fork did before the check; and
+``fork-no-fsync``: the fork without flushing what it writes to disk, ``--no_fsync`` or
+``"checkpoint": {"fsync": false}``), as a user runs them:
 
 * ``zero_to_fp32``: ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`` with the script of the
   variant (the one it saves into every checkpoint) and its default options;
@@ -26,6 +27,9 @@ user runs them:
   (same world size, model built as when it was saved) that resumes from it with
   ``engine.load_checkpoint(dir)``; the time is that of ``load_checkpoint`` alone (slowest rank),
   the memory that of the whole job;
+* ``save_checkpoint`` (``--tools save_checkpoint``): a training job of the checkpoint's topology
+  that trains one step and saves with ``engine.save_checkpoint(OUTPUT_DIR)``; the time is that of
+  ``save_checkpoint`` alone (slowest rank);
 * ``cp -r`` of the checkpoint folder, the floor; and ``python -c 'import deepspeed'`` alone, what
   every run of a tool pays before it reads a byte.
 
@@ -74,10 +78,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint")
+TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "save_checkpoint")
 # fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
 # ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
-VARIANTS = ("upstream", "fork", "fork-trusting")
+# fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
+VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync")
+VARIANT_FLAGS = {"fork-trusting": ["--no_weights_only"], "fork-no-fsync": ["--no_fsync"]}
 DEFAULT_VARIANTS = ("upstream", "fork")
 SEQ_LEN = 16
 SAMPLE_S = 0.05
@@ -277,6 +283,28 @@ def load_worker(kind, scale, save_dir, weights_only):
     dist.destroy_process_group()
 
 
+def save_worker(kind, scale, save_dir, fsync):
+    """One rank of a training job that trains one step and saves (topology of the checkpoint ``kind``);
+    prints the wall time of ``save_checkpoint`` alone, the slowest rank's."""
+    import torch
+    import deepspeed.comm as dist
+
+    engine, _ = build_engine(kind, scale, None if fsync else {"fsync": False})
+    generator = torch.Generator().manual_seed(dist.get_rank() // CHECKPOINTS[kind][3])
+    ids = torch.randint(0, engine.module.config.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(save_dir, tag="step1")
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    log_memory("saved")
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"save_s": elapsed}), flush=True)
+    dist.destroy_process_group()
+
+
 def du(path):
     """Allocated bytes under ``path`` (files that vanish while it walks are skipped)."""
     total = 0
@@ -468,29 +496,31 @@ def error_line(log_file):
     return (lines[-1] if lines else "no output")[:200]
 
 
-def tool_command(tool, script, checkpoint_dir, output_dir, inject, trusting=False):
+def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
     if tool == "import deepspeed":
         return [sys.executable, "-c", "import deepspeed"]
     if tool == "cp -r":
         return ["cp", "-r", str(checkpoint_dir), str(output_dir)]
-    trust = ["--no_weights_only"] if trusting else []
+    flags = list(flags)
     if tool == "zero_to_fp32":
-        return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + trust
-    if tool == "load_checkpoint":
+        return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + flags
+    if tool in ("load_checkpoint", "save_checkpoint"):
         kind, scale = checkpoint_dir.name, checkpoint_dir.parent.name
+        job = ["--load", kind, "--save-dir", str(checkpoint_dir)]
+        if tool == "save_checkpoint":
+            job = ["--save", kind, "--save-dir", str(output_dir)]
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
             str(CHECKPOINTS[kind][2]), "--master_port",
-            str(free_port()), __file__, "--load", kind, "--scale", scale, "--save-dir",
-            str(checkpoint_dir)
-        ] + trust
+            str(free_port()), __file__, "--scale", scale
+        ] + job + flags
     tag_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
     cmd = [
         sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
         str(tag_dir), "--output_folder",
         str(output_dir)
     ]
-    return cmd + (["--inject_missing_state"] if inject else []) + trust
+    return cmd + (["--inject_missing_state"] if inject else []) + flags
 
 
 def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat):
@@ -512,15 +542,15 @@ def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, rep
         script = runs_dir / "scripts" / build / "zero_to_fp32.py"
         script.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tree / "deepspeed" / "utils" / "zero_to_fp32.py", script)
-    if tool == "load_checkpoint":
+    if tool in ("load_checkpoint", "save_checkpoint"):
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # as when the checkpoint was created
-    cmd = tool_command(tool, script, checkpoint_dir, output_dir, inject, trusting=variant == "fork-trusting")
+    cmd = tool_command(tool, script, checkpoint_dir, output_dir, inject, VARIANT_FLAGS.get(variant, ()))
     result = run_measured(cmd, env, scratch, log_file)
     for line in Path(log_file).read_text(errors="replace").splitlines():
-        if line.startswith("RESULT ") and tool == "load_checkpoint":
-            # The time of load_checkpoint alone; the job's (engine initialization included) is kept.
+        if line.startswith("RESULT ") and tool in ("load_checkpoint", "save_checkpoint"):
+            # The time of the call alone; the job's (engine initialization included) is kept.
             result["job_seconds"] = result["seconds"]
-            result["seconds"] = json.loads(line[len("RESULT "):])["load_s"]
+            result["seconds"] = next(iter(json.loads(line[len("RESULT "):]).values()))
     result["output_bytes"] = du(output_dir)
     result["inject_missing_state"] = inject
     result["log"] = str(log_file)
@@ -602,7 +632,9 @@ def main():
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-checkpoint-tools"))
     parser.add_argument("--create", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
     parser.add_argument("--load", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--save", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
     parser.add_argument("--no_weights_only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no_fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
@@ -614,6 +646,9 @@ def main():
         return
     if args.load:
         load_worker(args.load, args.scale, args.save_dir, weights_only=not args.no_weights_only)
+        return
+    if args.save:
+        save_worker(args.save, args.scale, args.save_dir, fsync=not args.no_fsync)
         return
     if args.measure:
         print("MEASURE " + json.dumps(measure(args.command, Path(args.scratch), args.log)), flush=True)
@@ -653,7 +688,7 @@ def main():
     descriptions = {snapshots[tree]: f"{text} (snapshot: {snapshots[tree]})" for tree, text in descriptions.items()}
     trees = {tool: {"upstream": built["upstream"], "fork": fork_trees.get(tool, built["fork"])} for tool in TOOLS}
     for tool in TOOLS:
-        trees[tool]["fork-trusting"] = trees[tool]["fork"]
+        trees[tool]["fork-trusting"] = trees[tool]["fork-no-fsync"] = trees[tool]["fork"]
     head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h"], stdout=subprocess.PIPE,
                           text=True).stdout.strip()
     built_description = {
@@ -661,6 +696,7 @@ def main():
         "fork": f"the pinned upstream sdist + patches/series of {REPO} at {head or 'its working tree'}",
     }
     built_description["fork-trusting"] = built_description["fork"] + ", weights_only off"
+    built_description["fork-no-fsync"] = built_description["fork"] + ", fsync off"
 
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -171,21 +171,24 @@ class TestDsToUniversalOutput(DistributedTest):
             interrupted = os.path.join(folder, "interrupted", "step2_universal")
             proc = run_cli(checkpoint, interrupted, workers=1, kill_after_saves=3)
             assert proc.returncode == -signal.SIGKILL, proc.stdout
-            assert sorted(os.listdir(os.path.dirname(interrupted))) == ["step2_universal.tmp"]
+            left = os.listdir(os.path.dirname(interrupted))
+            assert len(left) == 1 and left[0].startswith(".step2_universal.") and left[0].endswith(".tmp"), left
             proc = run_cli(checkpoint, interrupted, workers=1)
             assert proc.returncode == 0, proc.stdout
             assert sorted(os.listdir(os.path.dirname(interrupted))) == ["latest_universal", "step2_universal"]
             assert_same(universal_files(interrupted), files)
 
-            # A folder in the output's place that the conversion did not write is refused, untouched.
-            for taken in (universal, interrupted + ".tmp"):
-                shutil.rmtree(taken, ignore_errors=True)
+            # A folder in the output's place that the conversion did not write is refused, untouched;
+            # one beside it, even of a name like the conversion's temporary folders, is left alone.
+            shutil.rmtree(universal)
+            for taken in (universal, f"{interrupted}.tmp", f"{os.path.dirname(interrupted)}/.step2_universal.tmp"):
                 os.makedirs(taken)
                 with open(os.path.join(taken, "notes.txt"), "w") as f:
                     f.write("mine")
-                target = universal if taken == universal else interrupted
-                with pytest.raises(FileExistsError, match="not written by ds_to_universal"):
-                    convert_to_universal(convert_args(checkpoint, target))
+            with pytest.raises(FileExistsError, match="not written by ds_to_universal"):
+                convert_to_universal(convert_args(checkpoint, universal))
+            convert_to_universal(convert_args(checkpoint, interrupted))
+            for taken in (universal, f"{interrupted}.tmp", f"{os.path.dirname(interrupted)}/.step2_universal.tmp"):
                 assert os.listdir(taken) == ["notes.txt"]
                 with open(os.path.join(taken, "notes.txt")) as f:
                     assert f.read() == "mine"

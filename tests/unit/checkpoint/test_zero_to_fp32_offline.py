@@ -16,6 +16,7 @@ is refused outright (``Expected 1 of '*_optim_states.pt' ... found 2``).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -230,9 +231,12 @@ class TestZeroToFp32Offline(DistributedTest):
             shutil.copytree(save_dir, copy)
             path = os.path.join(copy, TAG, name)
             os.truncate(path, os.path.getsize(path) // 2)
-            with pytest.raises(ValueError, match=f"Checkpoint file '{path}' is incomplete or corrupt"):
+            # Named by the load of the file that gives the topology, or by the check of the others
+            # before anything is loaded.
+            named = rf"Checkpoint file '{re.escape(path)}' is incomplete or corrupt|{re.escape(path)} \(truncated\)"
+            with pytest.raises(ValueError, match=named):
                 get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
-            with pytest.raises(ValueError, match=f"Checkpoint file '{path}' is incomplete or corrupt"):
+            with pytest.raises(ValueError, match=named):
                 convert_zero_checkpoint_to_fp32_state_dict(copy, os.path.join(copy, "out"))
             assert not os.path.exists(os.path.join(copy, "out"))
 

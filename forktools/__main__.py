@@ -11,7 +11,7 @@ from pathlib import Path
 from forktools import ForkError, export, pq, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
-from forktools.upstream import make_workdir
+from forktools.upstream import BASE_TAG, make_workdir
 
 
 def main(argv=None):
@@ -60,7 +60,7 @@ def main(argv=None):
     try:
         if args.command == "pq" and args.action == "import":
             queue = pq.import_queue(REPO, args.dir, sdist=args.sdist, force=args.force)
-            print(f"patch queue ready at {queue} (base tag '{pq.BASE_TAG}'); edit there, then: "
+            print(f"patch queue ready at {queue} (base tag '{BASE_TAG}'); edit there, then: "
                   "python -m forktools pq export")
         elif args.command == "pq" and args.action == "export":
             changed = pq.export_queue(REPO, args.dir)

@@ -34,17 +34,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.pq import am_patch, create_queue, format_patches, queue_env, run_git
-from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, parse_patch, read_series
-from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.git import identity_env, repo_env, run_git
+from forktools.pq import am_patch, format_patches
+from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, TEST_UPDATES_DIR, parse_patch, read_series
+from forktools.upstream import make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
 _FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
-
-# A topic that changes behaviour an upstream test asserts keeps that test's update here, as TOPIC.patch
-# (a git format-patch mail against upstream's tests/).
-TEST_UPDATES_DIR = Path("patches") / "upstream-tests"
+# Where a topic's update of upstream tests goes beside its mailbox.
 TEST_UPDATES_FILE = "upstream-test-updates.patch"
 
 
@@ -104,7 +102,7 @@ def mailbox_message(patch):
 
 def commit_topic(queue, topic, repo, scratch):
     """Apply ``topic``'s patches and commit its tests in ``queue``; the commits' range start is returned."""
-    start = run_git(["rev-parse", "HEAD"], queue, queue_env(queue)).stdout.strip()
+    start = run_git(["rev-parse", "HEAD"], queue, repo_env(queue)).stdout.strip()
     for patch in topic.patches:
         stripped = scratch / patch.name
         stripped.write_text(mailbox_message(patch), encoding="utf-8")
@@ -119,11 +117,7 @@ def commit_topic(queue, topic, repo, scratch):
             shutil.copyfile(Path(repo) / test, target)
         author = topic.patches[-1].author
         name, address = email.utils.parseaddr(author)
-        env = dict(queue_env(queue),
-                   GIT_AUTHOR_NAME=name,
-                   GIT_AUTHOR_EMAIL=address,
-                   GIT_COMMITTER_NAME=name,
-                   GIT_COMMITTER_EMAIL=address)
+        env = dict(repo_env(queue), **identity_env(name, address))
         run_git(["add", "-f", *topic.tests], queue, env)
         message = (f"tests: {topic.patches[0].subject}\n\n"
                    f"Tests for this change, in DeepSpeed's DistributedTest style:\n\n" +
@@ -172,23 +166,16 @@ def pr_description(topic, topics_dir_names):
 def export_topics(repo, out_dir, sdist=None):
     """Write every topic's mailbox and PR description under ``out_dir``; returns [(topic, its dir)]."""
     repo, out_dir = Path(repo), Path(out_dir)
-    pin = read_pin(repo)
     topics = topics_of(repo, read_series(repo))
     dir_names = {topic.name: f"{index:02d}-{topic.name}" for index, topic in enumerate(topics, start=1)}
     workdir = make_workdir("deepspeed-fork-upstream-prs-")
     try:
-        sdist_path = fetch_sdist(pin, workdir / "download", explicit=sdist)
+        release = pinned_release(repo, workdir, sdist)
         scratch = workdir / "scratch"
         scratch.mkdir()
         staging = workdir / "out"
-
-        def pristine_repo(name):
-            queue = workdir / name
-            create_queue(queue, unpack_sdist(pin, sdist_path, workdir / f"{name}-src"), pin)
-            return queue
-
         # All topics in series order, on one repository: the mailboxes come from here.
-        in_order = pristine_repo("in-series-order")
+        in_order = release.queue(workdir / "in-series-order")
         for topic in topics:
             start = commit_topic(in_order, topic, repo, scratch)
             topic_dir = staging / dir_names[topic.name]
@@ -202,13 +189,11 @@ def export_topics(repo, out_dir, sdist=None):
         # Topics that depend on nothing must apply alone too.
         for topic in topics:
             if not topic.depends_on:
-                alone = pristine_repo(f"alone-{topic.name}")
+                alone = release.queue(workdir / f"alone-{topic.name}")
                 mailbox = staging / dir_names[topic.name] / f"{topic.name}.mbox"
                 proc = run_git(["am", "-q", "--no-3way", str(mailbox)],
                                alone,
-                               dict(queue_env(alone),
-                                    GIT_COMMITTER_NAME="export",
-                                    GIT_COMMITTER_EMAIL="export@invalid"),
+                               dict(repo_env(alone), **identity_env("export", "export@invalid", roles=("COMMITTER", ))),
                                check=False)
                 if proc.returncode != 0:
                     raise ForkError(f"topic {topic.name} has no Depends-On but does not apply alone on the pristine "

@@ -3,17 +3,19 @@
 import email
 import email.policy
 import hashlib
-import os
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from forktools import ForkError
+from forktools.git import plain_tree_env, run_git
 
 PATCH_DIR = "patches"
 SERIES_FILE = "series"
+# A topic that changes behaviour an upstream test asserts keeps that test's update here, as TOPIC.patch
+# (a git format-patch mail against upstream's tests/, which the sdist does not hold).
+TEST_UPDATES_DIR = Path(PATCH_DIR) / "upstream-tests"
 # DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
 DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
 # The fork's own header fields, for the upstream export (forktools/export.py): the topic (upstream
@@ -101,58 +103,56 @@ def local_version_label(repo, patches):
     return f"fork.{len(patches)}.{series_digest(repo, patches)}"
 
 
-def hunks(patch_path):
-    """Yield (target file, hunk number within that file, patch line number, hunk text) for every hunk."""
-    lines = Path(patch_path).read_text(encoding="utf-8").splitlines()
-    target, number, i = None, 0, 0
+@dataclass
+class Hunk:
+    """One hunk of a unified diff (a patch file, or a tool's ``--diff`` output)."""
+    target: str  # the b/ side of the file's "diff --git" line; None in a plain unified diff
+    source: str  # the name on the file's "--- " line, without a tab-separated suffix
+    number: int  # its place among the hunks of its file, from 1
+    line: int  # line number (from 1) of its "@@" header in the diff
+    old_start: int  # the first line of the original file it covers
+    lines: list  # the "@@" header, then the body
+
+
+def diff_hunks(lines):
+    """Every hunk of a unified diff given as its lines, in order."""
+    target = source = None
+    number, i = 0, 0
     while i < len(lines):
         line = lines[i]
         if line.startswith("diff --git "):
-            target, number = line.split(" b/", 1)[-1], 0
+            target, source, number = line.split(" b/", 1)[-1], None, 0
+        elif line.startswith("--- "):
+            source = line[4:].rsplit("\t", 1)[0]
         match = _HUNK_RE.match(line)
         if not match:
             i += 1
             continue
-        # The header's line counts say where the hunk ends (a body line may itself look like "-- ").
+        # The header's line counts say where the hunk ends (a body line may itself look like "-- " or "--- ").
         old_left, new_left = int(match.group(2) or 1), int(match.group(3) or 1)
-        number, start, end = number + 1, i + 1, i + 1
+        number, end = number + 1, i + 1
         while end < len(lines) and (old_left > 0 or new_left > 0 or lines[end].startswith("\\")):
             tag = lines[end][:1]
             old_left -= tag in (" ", "-", "")
             new_left -= tag in (" ", "+", "")
             end += 1
-        yield target, number, start, "\n".join(lines[i:end])
+        yield Hunk(target, source, number, i + 1, int(match.group(1)), lines[i:end])
         i = end
 
 
+def hunks(patch_path):
+    """Every hunk of a patch file."""
+    return diff_hunks(Path(patch_path).read_text(encoding="utf-8").splitlines())
+
+
 def _failed_hunk(patch_path, target, old_start):
-    for hunk_target, number, start, text in hunks(patch_path):
-        match = _HUNK_RE.match(text)
-        if hunk_target == target and match and int(match.group(1)) == old_start:
-            return number, start, text
-    return None
-
-
-def _git():
-    git = shutil.which("git")
-    if git is None:
-        raise ForkError("git is needed to apply the patch series, and it is not on PATH")
-    return git
+    return next((hunk for hunk in hunks(patch_path) if hunk.target == target and hunk.old_start == old_start), None)
 
 
 def apply_patch(tree, patch):
     """Apply one patch to an unpacked tree, all or nothing, or explain which hunk of which file failed."""
     tree = Path(tree).resolve()
-    # Never let git discover a repository above the tree: it would apply paths relative to that
-    # repository's top and silently skip files outside the tree.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    proc = subprocess.run(
-        [_git(), "apply", "--whitespace=nowarn", str(patch.path)],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True)
+    proc = run_git(["apply", "--whitespace=nowarn", str(patch.path)], tree, plain_tree_env(tree), check=False)
     if proc.returncode == 0:
         return
     _, details = explain_failure(patch, proc.stdout)
@@ -174,9 +174,8 @@ def explain_failure(patch, git_apply_output):
             details.append(f"  target file: {target}")
             hunk = _failed_hunk(patch.path, target, int(failed.group(2)))
             if hunk:
-                number, start, text = hunk
-                details.append(f"  failing hunk: #{number} in {target} (line {start} of the patch):")
-                details.extend("    " + hunk_line for hunk_line in text.splitlines())
+                details.append(f"  failing hunk: #{hunk.number} in {target} (line {hunk.line} of the patch):")
+                details.extend("    " + hunk_line for hunk_line in hunk.lines)
         elif missing:
             files.append(missing.group(1))
             details.append(f"  target file: {missing.group(1)} (missing from the upstream tree)")
@@ -201,7 +200,7 @@ LINKED_DIRS = ("csrc", "op_builder")
 
 
 def mirror_linked_files(tree, patch):
-    for target in dict.fromkeys(target for target, _, _, _ in hunks(patch.path)):
+    for target in dict.fromkeys(hunk.target for hunk in hunks(patch.path)):
         if target.split("/", 1)[0] in LINKED_DIRS:
             copy = tree / "deepspeed" / "ops" / target
             if (tree / target).exists():

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.series import PATCH_DIR, apply_series, hunks, read_series
-from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.series import PATCH_DIR, diff_hunks, hunks, read_series
+from forktools.upstream import make_workdir, pinned_release
 
 # The gate's exact versions (yapf and flake8 as upstream pins them): another yapf formats
 # differently, another flake8 or codespell flags differently. (distribution, module, version)
@@ -50,7 +50,6 @@ FORBIDDEN_IN_DEEPSPEED = (
 # The fork's tests that go upstream unchanged (tests/fork tests the fork's own tooling).
 UPSTREAM_TESTS = Path("tests") / "unit"
 
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _REPORT_RE = re.compile(r"^(.*?):(\d+): (.*)$")
 
 
@@ -142,10 +141,10 @@ def patch_files(patches):
     for patch in patches:
         lines = _read_lines(patch.path)
         quoted = set()
-        for _, _, header_line, text in hunks(patch.path):
-            for offset, line in enumerate(text.splitlines()[1:], start=1):
+        for hunk in hunks(patch.path):
+            for offset, line in enumerate(hunk.lines[1:], start=1):
                 if line[:1] in (" ", "-", ""):
-                    quoted.add(header_line + offset)
+                    quoted.add(hunk.line + offset)
         own = set(range(1, len(lines) + 1)) - quoted
         checked.append(Checked(f"{PATCH_DIR}/{patch.name}", patch.path, own))
     return checked
@@ -174,36 +173,21 @@ def _reports(output, by_path):
 
 def _changed_runs(diff_lines):
     """(original file, first original line, number of original lines) for each run of changes in a unified diff."""
-    i, source = 0, None
-    while i < len(diff_lines):
-        line = diff_lines[i]
-        match = _HUNK_RE.match(line)
-        if line.startswith("--- "):
-            source = line[4:].rsplit("\t", 1)[0]
-        if not match:
-            i += 1
-            continue
-        # The header's counts say where the hunk ends: a body line may itself start with "--- ".
-        old_line, old_left, new_left = int(match.group(1)), int(match.group(2) or 1), int(match.group(3) or 1)
-        run_start, run_length = None, 0
-        i += 1
-        while i < len(diff_lines) and (old_left > 0 or new_left > 0):
-            tag = diff_lines[i][:1]
+    for hunk in diff_hunks(diff_lines):
+        old_line, run_start, run_length = hunk.old_start, None, 0
+        for line in hunk.lines[1:]:
+            tag = line[:1]
             if tag in ("-", "+"):
                 if run_start is None:
                     run_start, run_length = old_line, 0
                 run_length += tag == "-"
             elif tag != "\\" and run_start is not None:
-                yield source, run_start, run_length
+                yield hunk.source, run_start, run_length
                 run_start = None
             if tag in (" ", "-", ""):
                 old_line += 1
-                old_left -= 1
-            if tag in (" ", "+", ""):
-                new_left -= 1
-            i += 1
         if run_start is not None:
-            yield source, run_start, run_length
+            yield hunk.source, run_start, run_length
 
 
 def yapf_problems(files, cwd):
@@ -315,14 +299,12 @@ def check(repo, sdist=None):
     """Run the gate on the series of ``repo``. Returns (sorted problems, one-line summary of what was checked)."""
     check_tools()
     repo = Path(repo)
-    pin = read_pin(repo)
     patches = read_series(repo)
     workdir = make_workdir("deepspeed-fork-style-")
     try:
-        source = fetch_sdist(pin, workdir / "download", explicit=sdist)
-        pristine = unpack_sdist(pin, source, workdir / "pristine")
-        patched = unpack_sdist(pin, source, workdir / "patched")
-        apply_series(patched, patches)
+        release = pinned_release(repo, workdir, sdist)
+        pristine = release.tree(workdir / "pristine")
+        patched = release.tree(workdir / "patched", patches)
         changed = changed_files(pristine, patched)
         tests = upstream_tests(repo)
         python = [checked for checked in changed + tests if checked.is_python]

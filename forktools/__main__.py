@@ -1,14 +1,14 @@
 """Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
-``python -m forktools export`` (each topic as an upstream pull request),
+``python -m forktools prs`` (each topic as an upstream pull request),
 ``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, export, pq, style, upstream_tests
+from forktools import ForkError, pq, prs, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
 from forktools.upstream import BASE_TAG, make_workdir
@@ -40,11 +40,11 @@ def main(argv=None):
                                "pass upstream's style gate (yapf, flake8, codespell, license header, "
                                "deepspeed.comm/get_accelerator(), DCO)")
     gate.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
-    prs = commands.add_parser("export",
+    prs_parser = commands.add_parser("prs",
                               help="write each topic as an upstream pull request: a git am mailbox onto the "
                               "pristine release, with its tests, and PR.md")
-    prs.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
-    prs.add_argument("--out", type=Path, default=REPO / export.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    prs_parser.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    prs_parser.add_argument("--out", type=Path, default=REPO / prs.DEFAULT_OUT_DIR, help="output folder (replaced)")
     ups = commands.add_parser("upstream-tests",
                               help="run upstream's own unit tests against the pinned release and the fork, "
                               "and print the test ids whose verdict differs")
@@ -73,8 +73,8 @@ def main(argv=None):
         elif args.command == "tree":
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)
-        elif args.command == "export":
-            for topic, topic_dir in export.export_topics(REPO, args.out, sdist=args.sdist):
+        elif args.command == "prs":
+            for topic, topic_dir in prs.export_topics(REPO, args.out, sdist=args.sdist):
                 patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
                 print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
                       f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")

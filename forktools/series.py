@@ -18,7 +18,7 @@ SERIES_FILE = "series"
 TEST_UPDATES_DIR = Path(PATCH_DIR) / "upstream-tests"
 # DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
 DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
-# The fork's own header fields, for the upstream export (forktools/export.py): the topic (upstream
+# The fork's own header fields, for the upstream pull requests (forktools/prs.py): the topic (upstream
 # pull request) a patch belongs to, the topics its tests need first, and the tests that go with it.
 EXPORT_FIELDS = ("Topic", "Depends-On", "Upstream-Tests")
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""``python -m forktools export``: every topic as an upstream pull request that applies with ``git am``."""
+"""``python -m forktools prs``: every topic as an upstream pull request that applies with ``git am``."""
 
 import email
 import email.policy
@@ -14,7 +14,7 @@ import tarfile
 import pytest
 
 from forktools import ForkError
-from forktools.export import export_topics
+from forktools.prs import export_topics
 from forktools.series import read_series
 
 from conftest import REPO
@@ -22,7 +22,7 @@ from conftest import REPO
 
 @pytest.fixture(scope="module")
 def exported(upstream_sdist, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export") / "upstream-prs"
+    out = tmp_path_factory.mktemp("prs") / "upstream-prs"
     return export_topics(REPO, out, sdist=upstream_sdist)
 
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The series as upstream pull requests: ``python -m forktools export [--out DIR]``.
+"""The series as upstream pull requests: ``python -m forktools prs [--out DIR]``.
 
 A topic is one upstream pull request: the patches whose header says ``Topic: NAME`` (a patch with
 no Topic is a topic of its own; fork-only patches, ``Forwarded: not-needed``, are not exported),
@@ -193,7 +193,7 @@ def export_topics(repo, out_dir, sdist=None):
                 mailbox = staging / dir_names[topic.name] / f"{topic.name}.mbox"
                 proc = run_git(["am", "-q", "--no-3way", str(mailbox)],
                                alone,
-                               dict(repo_env(alone), **identity_env("export", "export@invalid", roles=("COMMITTER", ))),
+                               dict(repo_env(alone), **identity_env("prs", "prs@invalid", roles=("COMMITTER", ))),
                                check=False)
                 if proc.returncode != 0:
                     raise ForkError(f"topic {topic.name} has no Depends-On but does not apply alone on the pristine "

@@ -14,7 +14,7 @@ from pathlib import Path
 from forktools import ForkError
 from forktools.files import write_files
 from forktools.git import identity_env, repo_env, run_git
-from forktools.series import PATCH_DIR, SERIES_FILE, read_series, series_names
+from forktools.series import LINKED_DIRS, PATCH_DIR, SERIES_FILE, linked_copy, read_series, series_names
 from forktools.upstream import BASE_TAG, make_workdir, pinned_release
 
 DEFAULT_QUEUE_DIR = Path("build") / "patch-queue"
@@ -84,10 +84,61 @@ def export_queue(repo, queue):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def format_patches(queue, outdir, since=BASE_TAG):
-    """The queue's commits since ``since`` (default: ``upstream``) as patch files in ``outdir``, in order."""
-    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{since}..HEAD"], queue, repo_env(queue))
+def format_patches(queue, outdir, since=BASE_TAG, linked_copies=True):
+    """The queue's commits since ``since`` (default: ``upstream``) as patch files in ``outdir``, in order.
+
+    With ``linked_copies``, each change to a file under csrc/ or op_builder/ is written to the sdist's copy
+    of that file too (see ``LINKED_DIRS``), so that every patch gives the build's tree wherever the sdist is
+    patched; upstream's layout (``prs``) has no copies.
+    """
+    head = with_linked_copies(queue, since) if linked_copies else "HEAD"
+    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{since}..{head}"], queue, repo_env(queue))
     return sorted(Path(outdir).glob("*.patch"))
+
+
+def with_linked_copies(queue, since):
+    """The queue's commits since ``since``, each made again (same author, dates and message) with the sdist's
+    copies of its csrc/ and op_builder/ files; returns the last one's id.
+
+    A commit that already holds the copies is kept as it is, so an untouched queue exports its own commits.
+    Only objects are written: no branch, index or file of the queue changes.
+    """
+    env = repo_env(queue)
+    scratch_index = Path(queue) / ".git" / "forktools-linked-copies.index"
+    index_env = dict(env, GIT_INDEX_FILE=str(scratch_index))
+
+    def git(*args, in_env=env):
+        return run_git(list(args), queue, in_env).stdout.strip()
+
+    base = git("rev-parse", f"{since}^{{commit}}")
+    parent = base
+    try:
+        for commit in git("rev-list", "--reverse", f"{since}..HEAD").split():
+            git("read-tree", commit, in_env=index_env)
+            for path in git("diff", "--name-only", "--no-renames", base, commit, "--", *LINKED_DIRS).splitlines():
+                entry = git("ls-tree", commit, "--", path).split()
+                if entry:
+                    mode, _, blob = entry[:3]
+                    git("update-index", "--add", "--cacheinfo", f"{mode},{blob},{linked_copy(path)}", in_env=index_env)
+                else:
+                    git("update-index", "--force-remove", "--", linked_copy(path), in_env=index_env)
+            tree = git("write-tree", in_env=index_env)
+            if tree == git("rev-parse", f"{commit}^{{tree}}") and parent == git("rev-parse", f"{commit}^"):
+                parent = commit
+                continue
+            people = git("log", "-1", "--date=raw", "--format=%an%x00%ae%x00%ad%x00%cn%x00%ce%x00%cd", commit)
+            author_name, author_email, author_date, name, email, date = people.split("\0")
+            commit_env = dict(env, **identity_env(author_name, author_email, author_date, roles=("AUTHOR", )),
+                              **identity_env(name, email, date, roles=("COMMITTER", )))
+            # The message's bytes as they are: commit-tree takes them verbatim from a file.
+            raw = run_git(["cat-file", "commit", commit], queue, env, binary=True).stdout
+            message = scratch_index.with_suffix(".msg")
+            message.write_bytes(raw.split(b"\n\n", 1)[1] if b"\n\n" in raw else b"")
+            parent = git("commit-tree", tree, "-p", parent, "-F", str(message), in_env=commit_env)
+    finally:
+        scratch_index.unlink(missing_ok=True)
+        scratch_index.with_suffix(".msg").unlink(missing_ok=True)
+    return parent
 
 
 def patch_dir_changes(repo, exported):

@@ -36,7 +36,8 @@ from pathlib import Path
 from forktools import ForkError
 from forktools.git import identity_env, repo_env, run_git
 from forktools.pq import am_patch, format_patches
-from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, TEST_UPDATES_DIR, parse_patch, read_series
+from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, LINKED_COPIES_DIR, TEST_UPDATES_DIR, linked_copy,
+                              parse_patch, read_series)
 from forktools.upstream import make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
@@ -93,11 +94,32 @@ def topics_of(repo, patches):
 
 
 def mailbox_message(patch):
-    """The patch file without the fork-only header fields, for ``git am``."""
+    """The patch file for ``git am`` onto upstream: without the fork-only header fields, and in upstream's
+    layout, where deepspeed/ops/csrc and deepspeed/ops/op_builder are links to csrc/ and op_builder/ (the
+    patch's changes to the sdist's copies are left out)."""
     text = patch.path.read_text(encoding="utf-8")
     head, sep, diff = text.partition("\n---\n")
     kept = [line for line in head.split("\n") if line.partition(":")[0] not in _FORK_ONLY_FIELDS]
-    return "\n".join(kept) + sep + diff
+    return "\n".join(kept) + sep + upstream_layout(patch, diff)
+
+
+def upstream_layout(patch, diff):
+    """``diff`` (a patch's diffstat and diffs) without the diffs of the sdist's copies of linked files."""
+    sections = re.split(r"(?m)^(?=diff --git )", diff)
+    paths = [re.match(r"diff --git a/\S+ b/(\S+)", section) for section in sections]
+    changed = {match.group(1) for match in paths if match}
+    kept = []
+    for section, match in zip(sections, paths):
+        path = match.group(1) if match else None
+        if path and path.startswith(f"{LINKED_COPIES_DIR}/"):
+            original = path[len(LINKED_COPIES_DIR) + 1:]
+            if linked_copy(original) == path:
+                if original not in changed:
+                    raise ForkError(f"{patch.name} changes {path} but not {original}: in upstream's repository the "
+                                    f"first is a link to the second; change {original} in the patch queue")
+                continue
+        kept.append(section)
+    return "".join(kept)
 
 
 def commit_topic(queue, topic, repo, scratch):
@@ -180,7 +202,8 @@ def export_topics(repo, out_dir, sdist=None):
             start = commit_topic(in_order, topic, repo, scratch)
             topic_dir = staging / dir_names[topic.name]
             topic_dir.mkdir(parents=True)
-            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start)
+            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start,
+                                     linked_copies=False)
             mailbox = b"".join(path.read_bytes() for path in commits)
             (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
             (topic_dir / "PR.md").write_text(pr_description(topic, dir_names), encoding="utf-8")

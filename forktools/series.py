@@ -4,7 +4,6 @@ import email
 import email.policy
 import hashlib
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,21 +189,32 @@ def explain_failure(patch, git_apply_output):
 def apply_series(tree, patches):
     for patch in patches:
         apply_patch(tree, patch)
-        mirror_linked_files(tree, patch)
+        check_linked_copies(tree, patch)
 
 
 # In upstream's repository deepspeed/ops/csrc and deepspeed/ops/op_builder are symbolic links to the
-# top-level csrc/ and op_builder/; the sdist holds copies, and the wheel installs the copies. Patches
-# change the top-level files, as upstream pull requests do, so the build copies them over.
+# top-level csrc/ and op_builder/; the sdist holds copies, and the wheel installs the copies. A patch
+# changes both, so that it gives the build's tree wherever it is applied to the sdist: `pq export`
+# writes the copies (forktools/pq.py), `prs` leaves them out again for upstream (forktools/prs.py).
 LINKED_DIRS = ("csrc", "op_builder")
+LINKED_COPIES_DIR = "deepspeed/ops"
 
 
-def mirror_linked_files(tree, patch):
+def linked_copy(path):
+    """The sdist's copy of ``path`` (a file under csrc/ or op_builder/), or None for any other file."""
+    return f"{LINKED_COPIES_DIR}/{path}" if path.split("/", 1)[0] in LINKED_DIRS else None
+
+
+def check_linked_copies(tree, patch):
+    """Refuse a patch that changes a file under csrc/ or op_builder/ and leaves the sdist's copy behind."""
     for target in dict.fromkeys(hunk.target for hunk in hunks(patch.path)):
-        if target.split("/", 1)[0] in LINKED_DIRS:
-            copy = tree / "deepspeed" / "ops" / target
-            if (tree / target).exists():
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(tree / target, copy)
-            else:
-                copy.unlink(missing_ok=True)
+        copy = linked_copy(target)
+        if copy is None:
+            continue
+        original, twin = tree / target, tree / copy
+        same = (original.read_bytes() == twin.read_bytes()) if original.exists() and twin.exists() else (
+            original.exists() == twin.exists())
+        if not same:
+            raise ForkError(f"patch {patch.name} changes {target} but not the sdist's copy of it, {copy}, which "
+                            "is what the wheel installs. Export the series again from the patch queue "
+                            "(python -m forktools pq import, then pq export writes both; see docs/maintainers.md).")

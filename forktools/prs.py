@@ -14,10 +14,12 @@ For each topic, in series order, ``DIR/NN-TOPIC/`` gets:
 
 - ``TOPIC.mbox``: one commit per patch, then one commit adding the tests, as ``git format-patch``
   writes them; ``git am TOPIC.mbox`` applies it to a repository of the pristine upstream release
-  (after the mailboxes of the topics it depends on). The fork's own header fields are left out;
-  the DCO sign-off stays.
+  (after the mailboxes of the topics it depends on). The fork's own header fields are left out,
+  and so are the sdist's copies of csrc/ and op_builder/ files (links in upstream's repository).
+  Every commit keeps its author's DCO sign-off and gets, after it, the sign-off of the person who
+  exports it (git's user.name and user.email; the export refuses to run without them).
 - ``PR.md``: the pull request's title and description (symptom, root cause and fix from each
-  patch's message; how it was verified; what it depends on).
+  patch's message; how it was verified; what it depends on; who signed it off).
 - ``upstream-test-updates.patch``, for a topic that changes behaviour an upstream test asserts: the
   update of that test, with the reason (``patches/upstream-tests/TOPIC.patch``). It changes
   upstream's ``tests/``, which the sdist does not hold, so ``git am`` it after the mailbox in a
@@ -34,10 +36,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.git import identity_env, repo_env, run_git
+from forktools.git import configured_identity, identity_env, repo_env, run_git
 from forktools.pq import am_patch, format_patches
-from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, LINKED_COPIES_DIR, TEST_UPDATES_DIR, linked_copy,
-                              parse_patch, read_series)
+from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, TEST_UPDATES_DIR, linked_original, parse_patch, read_series
 from forktools.upstream import make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
@@ -93,14 +94,46 @@ def topics_of(repo, patches):
     return list(topics.values())
 
 
-def mailbox_message(patch):
-    """The patch file for ``git am`` onto upstream: without the fork-only header fields, and in upstream's
-    layout, where deepspeed/ops/csrc and deepspeed/ops/op_builder are links to csrc/ and op_builder/ (the
-    patch's changes to the sdist's copies are left out)."""
+def exporter_signoff(repo):
+    """``Name <email>`` of the person exporting, from git's user.name and user.email, for their DCO sign-off."""
+    name, address = configured_identity(repo)
+    if not name or not address:
+        missing = [key for key, value in (("user.name", name), ("user.email", address)) if not value]
+        verb = "are" if len(missing) > 1 else "is"
+        raise ForkError(f"forktools prs signs off every exported commit as you (upstream's DCO), from git's "
+                        f"user.name and user.email, and {' and '.join(missing)} {verb} not set. Set your own "
+                        "identity, e.g.\n"
+                        "  git config --global user.name 'Your Name'\n"
+                        "  git config --global user.email you@example.com")
+    return f"{name} <{address}>"
+
+
+def signed_off(message, signer):
+    """A commit message (or a patch mail's head) whose trailers end with ``Signed-off-by: signer``.
+
+    The author's sign-off stays: upstream's DCO check wants one that matches the commit's author, and the
+    person who passes the change on adds theirs after it.
+    """
+    lines = message.rstrip("\n").split("\n")
+    signoff = f"Signed-off-by: {signer}"
+    if any(line.strip().lower() == signoff.lower() for line in lines):
+        return message
+    last = max((i for i, line in enumerate(lines) if line.startswith("Signed-off-by:")), default=None)
+    if last is None:
+        lines += ["", signoff]
+    else:
+        lines.insert(last + 1, signoff)
+    return "\n".join(lines) + message[len(message.rstrip("\n")):]
+
+
+def mailbox_message(patch, signer):
+    """The patch file for ``git am`` onto upstream: without the fork-only header fields, signed off by
+    ``signer``, and in upstream's layout, where deepspeed/ops/csrc and deepspeed/ops/op_builder are links to
+    csrc/ and op_builder/ (the patch's changes to the sdist's copies are left out)."""
     text = patch.path.read_text(encoding="utf-8")
     head, sep, diff = text.partition("\n---\n")
     kept = [line for line in head.split("\n") if line.partition(":")[0] not in _FORK_ONLY_FIELDS]
-    return "\n".join(kept) + sep + upstream_layout(patch, diff)
+    return signed_off("\n".join(kept), signer) + sep + upstream_layout(patch, diff)
 
 
 def upstream_layout(patch, diff):
@@ -110,24 +143,28 @@ def upstream_layout(patch, diff):
     changed = {match.group(1) for match in paths if match}
     kept = []
     for section, match in zip(sections, paths):
-        path = match.group(1) if match else None
-        if path and path.startswith(f"{LINKED_COPIES_DIR}/"):
-            original = path[len(LINKED_COPIES_DIR) + 1:]
-            if linked_copy(original) == path:
-                if original not in changed:
-                    raise ForkError(f"{patch.name} changes {path} but not {original}: in upstream's repository the "
-                                    f"first is a link to the second; change {original} in the patch queue")
-                continue
-        kept.append(section)
+        original = linked_original(match.group(1)) if match else None
+        if original is None:
+            kept.append(section)
+        elif original not in changed:
+            raise ForkError(f"{patch.name} changes {match.group(1)} but not {original}: in upstream's repository the "
+                            f"first is a link to the second; change {original} in the patch queue")
     return "".join(kept)
 
 
-def commit_topic(queue, topic, repo, scratch):
-    """Apply ``topic``'s patches and commit its tests in ``queue``; the commits' range start is returned."""
+def signed_test_updates(path, signer):
+    """A topic's update of upstream tests (a patch mail), signed off by ``signer`` too."""
+    head, sep, diff = Path(path).read_text(encoding="utf-8").partition("\n---\n")
+    return signed_off(head, signer) + sep + diff
+
+
+def commit_topic(queue, topic, repo, scratch, signer):
+    """Apply ``topic``'s patches and commit its tests in ``queue``, signed off by ``signer`` too; the commits'
+    range start is returned."""
     start = run_git(["rev-parse", "HEAD"], queue, repo_env(queue)).stdout.strip()
     for patch in topic.patches:
         stripped = scratch / patch.name
-        stripped.write_text(mailbox_message(patch), encoding="utf-8")
+        stripped.write_text(mailbox_message(patch, signer), encoding="utf-8")
         proc = am_patch(queue, replace(patch, path=stripped))
         if proc.returncode != 0:
             raise ForkError(f"topic {topic.name}: {patch.name} does not apply with git am on the pristine upstream "
@@ -143,13 +180,14 @@ def commit_topic(queue, topic, repo, scratch):
         run_git(["add", "-f", *topic.tests], queue, env)
         message = (f"tests: {topic.patches[0].subject}\n\n"
                    f"Tests for this change, in DeepSpeed's DistributedTest style:\n\n" +
-                   "".join(f"- {test}\n" for test in topic.tests) + f"\nSigned-off-by: {name} <{address}>\n")
+                   "".join(f"- {test}\n" for test in topic.tests) +
+                   signed_off(f"\nSigned-off-by: {name} <{address}>\n", signer))
         run_git(["commit", "-q", "--no-verify", "-m", message], queue, env)
     return start
 
 
-def pr_description(topic, topics_dir_names):
-    """PR.md: the title, each patch's message (symptom, root cause, fix), verification, dependencies."""
+def pr_description(topic, topics_dir_names, signer):
+    """PR.md: the title, each patch's message (symptom, root cause, fix), verification, dependencies, sign-off."""
     lines = [f"# {topic.patches[0].subject}", ""]
     for patch in topic.patches:
         # The message holds the body only (the subject is a header of the patch file).
@@ -182,12 +220,15 @@ def pr_description(topic, topics_dir_names):
             for dep in topic.depends_on
         ]
         lines.append("")
+    lines += ["## Sign-off", "", f"Every commit carries its author's `Signed-off-by:` and, after it, that of {signer}, "
+              "who exported it from the fork and submits it (DCO).", ""]
     return "\n".join(lines)
 
 
 def export_topics(repo, out_dir, sdist=None):
     """Write every topic's mailbox and PR description under ``out_dir``; returns [(topic, its dir)]."""
     repo, out_dir = Path(repo), Path(out_dir)
+    signer = exporter_signoff(repo)
     topics = topics_of(repo, read_series(repo))
     dir_names = {topic.name: f"{index:02d}-{topic.name}" for index, topic in enumerate(topics, start=1)}
     workdir = make_workdir("deepspeed-fork-upstream-prs-")
@@ -199,16 +240,17 @@ def export_topics(repo, out_dir, sdist=None):
         # All topics in series order, on one repository: the mailboxes come from here.
         in_order = release.queue(workdir / "in-series-order")
         for topic in topics:
-            start = commit_topic(in_order, topic, repo, scratch)
+            start = commit_topic(in_order, topic, repo, scratch, signer)
             topic_dir = staging / dir_names[topic.name]
             topic_dir.mkdir(parents=True)
             commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start,
                                      linked_copies=False)
             mailbox = b"".join(path.read_bytes() for path in commits)
             (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
-            (topic_dir / "PR.md").write_text(pr_description(topic, dir_names), encoding="utf-8")
+            (topic_dir / "PR.md").write_text(pr_description(topic, dir_names, signer), encoding="utf-8")
             if topic.test_updates:
-                shutil.copyfile(topic.test_updates, topic_dir / TEST_UPDATES_FILE)
+                (topic_dir / TEST_UPDATES_FILE).write_text(signed_test_updates(topic.test_updates, signer),
+                                                            encoding="utf-8")
         # Topics that depend on nothing must apply alone too.
         for topic in topics:
             if not topic.depends_on:

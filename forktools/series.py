@@ -205,6 +205,13 @@ def linked_copy(path):
     return f"{LINKED_COPIES_DIR}/{path}" if path.split("/", 1)[0] in LINKED_DIRS else None
 
 
+def linked_original(path):
+    """The file under csrc/ or op_builder/ that ``path`` is the sdist's copy of, or None if it is no copy."""
+    prefix = f"{LINKED_COPIES_DIR}/"
+    original = path[len(prefix):] if path.startswith(prefix) else None
+    return original if original and linked_copy(original) == path else None
+
+
 def check_linked_copies(tree, patch):
     """Refuse a patch that changes a file under csrc/ or op_builder/ and leaves the sdist's copy behind."""
     for target in dict.fromkeys(hunk.target for hunk in hunks(patch.path)):

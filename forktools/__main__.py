@@ -2,13 +2,14 @@
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
 ``python -m forktools prs`` (each topic as an upstream pull request),
+``python -m forktools readme [--check]`` (README.md's table of fixes and version label, from the series),
 ``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, pq, prs, style, upstream_tests
+from forktools import ForkError, pq, prs, readme, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
 from forktools.upstream import BASE_TAG, make_workdir
@@ -45,6 +46,8 @@ def main(argv=None):
                               "pristine release, with its tests, and PR.md")
     prs_parser.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     prs_parser.add_argument("--out", type=Path, default=REPO / prs.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    rdm = commands.add_parser("readme", help="rewrite README.md's table of fixes and version label from the series")
+    rdm.add_argument("--check", action="store_true", help="write nothing; fail if README.md is out of date")
     ups = commands.add_parser("upstream-tests",
                               help="run upstream's own unit tests against the pinned release and the fork, "
                               "and print the test ids whose verdict differs")
@@ -78,6 +81,12 @@ def main(argv=None):
                 patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
                 print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
                       f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")
+        elif args.command == "readme":
+            stale = readme.update(REPO, check=args.check)
+            if stale and args.check:
+                print(f"{readme.README} is out of date with the series: run python -m forktools readme", file=sys.stderr)
+                return 1
+            print(f"{readme.README} was out of date; rewritten" if stale else f"{readme.README} is up to date")
         elif args.command == "upstream-tests":
             workdir = make_workdir("deepspeed-fork-upstream-tests-")
             print(f"work directory: {workdir}", file=sys.stderr)

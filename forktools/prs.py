@@ -38,12 +38,13 @@ from pathlib import Path
 from forktools import ForkError
 from forktools.git import configured_identity, identity_env, repo_env, run_git
 from forktools.pq import am_patch, format_patches
-from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, TEST_UPDATES_DIR, linked_original, parse_patch, read_series
+from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, README_FIELDS, TEST_UPDATES_DIR, linked_original, parse_patch,
+                              read_series, without_fields)
 from forktools.upstream import make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
-_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
+_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS if name not in ("Bug", "Origin"))
 # Where a topic's update of upstream tests goes beside its mailbox.
 TEST_UPDATES_FILE = "upstream-test-updates.patch"
 
@@ -61,10 +62,9 @@ def topics_of(repo, patches):
     """The series' topics in series order (by their first patch), checking their fields."""
     topics = {}
     for patch in patches:
-        if patch.dep3.get("Forwarded", "no") == "not-needed":
+        if patch.fork_only:
             continue
-        name = patch.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", patch.name)
-        topic = topics.setdefault(name, Topic(name))
+        topic = topics.setdefault(patch.topic, Topic(patch.topic))
         topic.patches.append(patch)
         # Several patches of one topic may name the same test file; the topic adds it once.
         topic.tests += [test for test in patch.dep3.get("Upstream-Tests", "").split() if test not in topic.tests]
@@ -132,7 +132,7 @@ def mailbox_message(patch, signer):
     csrc/ and op_builder/ (the patch's changes to the sdist's copies are left out)."""
     text = patch.path.read_text(encoding="utf-8")
     head, sep, diff = text.partition("\n---\n")
-    kept = [line for line in head.split("\n") if line.partition(":")[0] not in _FORK_ONLY_FIELDS]
+    kept = without_fields(head.split("\n"), _FORK_ONLY_FIELDS)
     return signed_off("\n".join(kept), signer) + sep + upstream_layout(patch, diff)
 
 
@@ -191,8 +191,7 @@ def pr_description(topic, topics_dir_names, signer):
     lines = [f"# {topic.patches[0].subject}", ""]
     for patch in topic.patches:
         # The message holds the body only (the subject is a header of the patch file).
-        body = "\n".join(line for line in patch.message.strip("\n").split("\n")
-                         if line.partition(":")[0] not in _FORK_ONLY_FIELDS + ("Signed-off-by", ))
+        body = "\n".join(without_fields(patch.message.strip("\n").split("\n"), _FORK_ONLY_FIELDS + ("Signed-off-by", )))
         if len(topic.patches) > 1:
             lines += [f"## {patch.subject}", ""]
         lines += [body.strip("\n"), ""]

@@ -20,6 +20,10 @@ DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
 # The fork's own header fields, for the upstream pull requests (forktools/prs.py): the topic (upstream
 # pull request) a patch belongs to, the topics its tests need first, and the tests that go with it.
 EXPORT_FIELDS = ("Topic", "Depends-On", "Upstream-Tests")
+# The fork's own README: what the patch fixes, in the row of its table of fixes (python -m forktools readme).
+# A long value goes on over the lines after it that start with a space, as in any trailer.
+README_FIELDS = ("Summary", )
+FIELDS = DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -35,6 +39,15 @@ class Patch:
     @property
     def name(self):
         return self.path.name
+
+    @property
+    def topic(self):
+        """The upstream pull request it belongs to: its Topic field, or a topic of its own named after it."""
+        return self.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", self.name)
+
+    @property
+    def fork_only(self):
+        return self.dep3.get("Forwarded", "no") == "not-needed"
 
     def summary(self):
         """What an installed build reports about this patch."""
@@ -70,11 +83,29 @@ def parse_patch(path):
     body = msg.get_payload()
     message = body.split("\n---\n", 1)[0].strip("\n")
     dep3 = {}
+    key = None
     for line in message.splitlines():
+        if key and line[:1] == " ":
+            dep3[key] = f"{dep3[key]} {line.strip()}"
+            continue
         key, sep, value = line.partition(":")
-        if sep and key in DEP3_FIELDS + EXPORT_FIELDS:
+        if sep and key in FIELDS:
             dep3[key] = value.strip()
+        else:
+            key = None
     return Patch(path=path, subject=subject, author=str(msg["From"]), message=message, dep3=dep3)
+
+
+def without_fields(lines, fields):
+    """The lines of a commit message without the ``fields`` (each with the lines that continue it)."""
+    kept, dropping = [], False
+    for line in lines:
+        if dropping and line[:1] == " ":
+            continue
+        dropping = line.partition(":")[0] in fields
+        if not dropping:
+            kept.append(line)
+    return kept
 
 
 def read_series(repo):

@@ -68,6 +68,15 @@ def git_am(tree, env, mailbox):
                           text=True)
 
 
+def summary_lines(patch):
+    """The lines of a patch file that hold its Summary: field."""
+    lines = patch.path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Summary: "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))
+    assert end > start + 1, "a summary long enough to go on over more lines"
+    return lines[start:end]
+
+
 def test_topics_cover_every_forwardable_patch(exported):
     patches = [p for p in read_series(REPO) if p.dep3.get("Forwarded") != "not-needed"]
     assert sorted(p.name for topic, _ in exported for p in topic.patches) == sorted(p.name for p in patches)
@@ -76,6 +85,11 @@ def test_topics_cover_every_forwardable_patch(exported):
         description = (topic_dir / "PR.md").read_text()
         assert description.startswith(f"# {topic.patches[0].subject}\n")
         assert "Root cause" in description and "## Verification" in description
+        # The README's summary is the fork's own: neither it nor the lines that continue it go upstream.
+        mailbox_text = (topic_dir / f"{topic.name}.mbox").read_text()
+        for patch in topic.patches:
+            for line in summary_lines(patch):
+                assert line not in description.splitlines() and line not in mailbox_text.splitlines(), line
         for test in topic.tests:
             assert f"`{test}`" in description
 
@@ -97,7 +111,7 @@ def test_mailboxes_apply_in_series_order_with_their_tests(exported, upstream_sdi
                          text=True,
                          check=True).stdout
     assert "Signed-off-by: " in log
-    for field in ("Topic:", "Depends-On:", "Upstream-Tests:", "Forwarded:", "Applied-Upstream:"):
+    for field in ("Topic:", "Depends-On:", "Upstream-Tests:", "Forwarded:", "Applied-Upstream:", "Summary:"):
         assert field not in log
 
 

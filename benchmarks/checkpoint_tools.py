@@ -124,18 +124,15 @@ def gb(nbytes):
 def prepare_trees(workdir):
     """Source trees of unpatched upstream and of the fork (the whole series), under ``workdir``."""
     sys.path.insert(0, str(REPO))
-    from forktools.series import apply_series, read_series
-    from forktools.upstream import fetch_sdist, read_pin, unpack_sdist
+    from forktools.series import read_series
+    from forktools.upstream import pinned_release
 
-    pin = read_pin(REPO)
-    sdist = fetch_sdist(pin, workdir / "download")
+    release = pinned_release(REPO, workdir)
     trees = {}
     for variant, patches in (("upstream", []), ("fork", read_series(REPO))):
         # Always from the pristine sdist: a tree left by an earlier run may hold an older series.
         shutil.rmtree(workdir / variant, ignore_errors=True)
-        tree = unpack_sdist(pin, sdist, workdir / variant)
-        apply_series(tree, patches)
-        trees[variant] = tree
+        trees[variant] = release.tree(workdir / variant, patches)
     return trees
 
 

@@ -55,12 +55,11 @@ def free_port():
 def prepare_trees(workdir):
     """Source trees of upstream, upstream + the gate fix, and the fork, under ``workdir``."""
     sys.path.insert(0, str(REPO))
-    from forktools.series import apply_series, read_series
-    from forktools.upstream import fetch_sdist, read_pin, unpack_sdist
+    from forktools.series import read_series
+    from forktools.upstream import pinned_release
 
-    pin = read_pin(REPO)
     patches = read_series(REPO)
-    sdist = fetch_sdist(pin, workdir / "download")
+    release = pinned_release(REPO, workdir)
     variants = {
         "upstream": [],
         "gate-only": [p for p in patches if p.subject == GATE_ONLY_SUBJECT],
@@ -73,9 +72,7 @@ def prepare_trees(workdir):
     for variant, variant_patches in variants.items():
         # Always from the pristine sdist: a tree left by an earlier run may hold an older series.
         shutil.rmtree(workdir / variant, ignore_errors=True)
-        tree = unpack_sdist(pin, sdist, workdir / variant)
-        apply_series(tree, variant_patches)
-        trees[variant] = tree
+        trees[variant] = release.tree(workdir / variant, variant_patches)
     return trees
 
 

@@ -1,17 +1,18 @@
 """Command line: ``python -m forktools pq import|export``, ``python -m forktools tree DIR``,
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
-``python -m forktools export`` (each topic as an upstream pull request),
+``python -m forktools prs`` (each topic as an upstream pull request),
+``python -m forktools readme [--check]`` (README.md's table of fixes and version label, from the series),
 ``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, export, pq, style, upstream_tests
+from forktools import ForkError, pq, prs, readme, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
-from forktools.upstream import make_workdir
+from forktools.upstream import BASE_TAG, make_workdir
 
 
 def main(argv=None):
@@ -40,11 +41,13 @@ def main(argv=None):
                                "pass upstream's style gate (yapf, flake8, codespell, license header, "
                                "deepspeed.comm/get_accelerator(), DCO)")
     gate.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
-    prs = commands.add_parser("export",
+    prs_parser = commands.add_parser("prs",
                               help="write each topic as an upstream pull request: a git am mailbox onto the "
                               "pristine release, with its tests, and PR.md")
-    prs.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
-    prs.add_argument("--out", type=Path, default=REPO / export.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    prs_parser.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
+    prs_parser.add_argument("--out", type=Path, default=REPO / prs.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    rdm = commands.add_parser("readme", help="rewrite README.md's table of fixes and version label from the series")
+    rdm.add_argument("--check", action="store_true", help="write nothing; fail if README.md is out of date")
     ups = commands.add_parser("upstream-tests",
                               help="run upstream's own unit tests against the pinned release and the fork, "
                               "and print the test ids whose verdict differs")
@@ -60,7 +63,7 @@ def main(argv=None):
     try:
         if args.command == "pq" and args.action == "import":
             queue = pq.import_queue(REPO, args.dir, sdist=args.sdist, force=args.force)
-            print(f"patch queue ready at {queue} (base tag '{pq.BASE_TAG}'); edit there, then: "
+            print(f"patch queue ready at {queue} (base tag '{BASE_TAG}'); edit there, then: "
                   "python -m forktools pq export")
         elif args.command == "pq" and args.action == "export":
             changed = pq.export_queue(REPO, args.dir)
@@ -73,11 +76,17 @@ def main(argv=None):
         elif args.command == "tree":
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)
-        elif args.command == "export":
-            for topic, topic_dir in export.export_topics(REPO, args.out, sdist=args.sdist):
+        elif args.command == "prs":
+            for topic, topic_dir in prs.export_topics(REPO, args.out, sdist=args.sdist):
                 patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
                 print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
                       f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")
+        elif args.command == "readme":
+            stale = readme.update(REPO, check=args.check)
+            if stale and args.check:
+                print(f"{readme.README} is out of date with the series: run python -m forktools readme", file=sys.stderr)
+                return 1
+            print(f"{readme.README} was out of date; rewritten" if stale else f"{readme.README} is up to date")
         elif args.command == "upstream-tests":
             workdir = make_workdir("deepspeed-fork-upstream-tests-")
             print(f"work directory: {workdir}", file=sys.stderr)

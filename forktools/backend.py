@@ -16,8 +16,9 @@ import tarfile
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.series import PATCH_DIR, apply_series, local_version_label, read_series
-from forktools.upstream import PIN_FILE, fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.files import replace_file
+from forktools.series import PATCH_DIR, local_version_label, read_series
+from forktools.upstream import PIN_FILE, make_workdir, pinned_release, read_pin
 
 REPO = Path(__file__).resolve().parent.parent
 # What an sdist of this repository must hold to build the wheel again.
@@ -47,13 +48,17 @@ def build_patched_tree(workdir, config_settings=None, patches=None):
     Returns (tree, local version label). Raises ForkError with a message naming the cause.
     """
     config_settings = config_settings or {}
-    pin = read_pin(REPO)
     patches = read_series(REPO) if patches is None else patches
-    sdist = fetch_sdist(pin, workdir / "download", explicit=config_settings.get("sdist"))
-    tree = unpack_sdist(pin, sdist, workdir / "src")
-    apply_series(tree, patches)
-    _write_fork_info(tree, pin, patches)
+    release = pinned_release(REPO, workdir, config_settings.get("sdist"))
+    tree = release.tree(workdir / "src", patches)
+    _write_fork_info(tree, release.pin, patches)
     return tree, local_version_label(REPO, patches)
+
+
+def patched_wheel(workdir, config_settings=None, patches=None):
+    """The wheel of the patched tree (see build_patched_tree), built under ``workdir``; returns its path."""
+    tree, label = build_patched_tree(workdir, config_settings, patches)
+    return _upstream_wheel(tree, label, workdir / "dist")
 
 
 def _upstream_wheel(tree, label, outdir):
@@ -76,21 +81,15 @@ def _upstream_wheel(tree, label, outdir):
 
 
 def _move_into(src, directory):
-    """Move a finished artifact into the caller's directory under its final name, atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f".{src.name}.partial"
-    shutil.copyfile(src, partial)
-    os.replace(partial, directory / src.name)
+    """Put a finished artifact into the caller's directory under its final name, atomically."""
+    replace_file(Path(directory) / src.name, src.read_bytes())
     return src.name
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     workdir = make_workdir("deepspeed-fork-build-")
     try:
-        tree, label = build_patched_tree(workdir, config_settings)
-        wheel = _upstream_wheel(tree, label, workdir / "dist")
-        return _move_into(wheel, wheel_directory)
+        return _move_into(patched_wheel(workdir, config_settings), wheel_directory)
     except ForkError as err:
         _fail(err)
     finally:

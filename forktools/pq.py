@@ -8,27 +8,16 @@ exporting an untouched queue rewrites no file.
 """
 
 import email.utils
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.series import PATCH_DIR, SERIES_FILE, read_series, series_names
-from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.files import write_files
+from forktools.git import identity_env, repo_env, run_git
+from forktools.series import LINKED_DIRS, PATCH_DIR, SERIES_FILE, linked_copy, read_series, series_names
+from forktools.upstream import BASE_TAG, make_workdir, pinned_release
 
 DEFAULT_QUEUE_DIR = Path("build") / "patch-queue"
-BASE_TAG = "upstream"
-# The base commit is made with a fixed identity and date so that every import of the same
-# release yields the same commit ids.
-_BASE_IDENTITY = {
-    "GIT_AUTHOR_NAME": "upstream",
-    "GIT_AUTHOR_EMAIL": "upstream@invalid",
-    "GIT_COMMITTER_NAME": "upstream",
-    "GIT_COMMITTER_EMAIL": "upstream@invalid",
-    "GIT_AUTHOR_DATE": "1970-01-01T00:00:00+0000",
-    "GIT_COMMITTER_DATE": "1970-01-01T00:00:00+0000",
-}
 # Every setting that changes format-patch's bytes is fixed here, so that the output does not
 # depend on the maintainer's git configuration.
 _FORMAT_PATCH = [
@@ -40,23 +29,6 @@ _FORMAT_PATCH = [
 ]
 
 
-def run_git(args, cwd, env=None, check=True):
-    proc = subprocess.run(["git", *args],
-                          cwd=cwd,
-                          env=env,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-    if check and proc.returncode != 0:
-        raise ForkError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stdout.strip()}")
-    return proc
-
-
-def queue_env(queue):
-    # The queue is a repository of its own even when it lies inside the fork's checkout.
-    return dict(os.environ, GIT_DIR=str(Path(queue) / ".git"), GIT_WORK_TREE=str(queue))
-
-
 def import_queue(repo, queue, sdist=None, force=False):
     """Create ``queue`` as a git repository holding the pinned sdist plus one commit per patch."""
     repo, queue = Path(repo), Path(queue).resolve()
@@ -64,12 +36,10 @@ def import_queue(repo, queue, sdist=None, force=False):
         if not force:
             raise ForkError(f"{queue} already exists; export or discard it first (or pass --force to replace it)")
         shutil.rmtree(queue)
-    pin = read_pin(repo)
     patches = read_series(repo)
     workdir = make_workdir("deepspeed-fork-pq-")
     try:
-        tree = unpack_sdist(pin, fetch_sdist(pin, workdir / "download", explicit=sdist), workdir / "src")
-        create_queue(queue, tree, pin)
+        pinned_release(repo, workdir, sdist).queue(queue)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for patch in patches:
@@ -81,24 +51,12 @@ def import_queue(repo, queue, sdist=None, force=False):
     return queue
 
 
-def create_queue(queue, tree, pin):
-    """Move the unpacked sdist ``tree`` to ``queue`` and commit it as the base, tagged ``upstream``."""
-    queue.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(tree), str(queue))
-    env = queue_env(queue)
-    run_git(["init", "-q", "-b", "patch-queue"], queue, env)
-    run_git(["add", "-A", "-f", "."], queue, env)
-    run_git(["commit", "-q", "--no-verify", "-m", f"{pin.name} {pin.version} (pristine sdist)"], queue,
-            dict(env, **_BASE_IDENTITY))
-    run_git(["tag", BASE_TAG], queue, env)
-
-
 def am_patch(queue, patch):
     """Commit one patch onto the queue with ``git am``; returns the finished process (git am may have stopped)."""
     # The patch's author commits it too: the queue then needs no git identity configured,
     # and every import of the same series yields the same commit ids.
     name, address = email.utils.parseaddr(patch.author)
-    am_env = dict(queue_env(queue), GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=address)
+    am_env = dict(repo_env(queue), **identity_env(name, address, roles=("COMMITTER", )))
     return run_git(["am", "-q", "--no-3way", "--committer-date-is-author-date",
                     str(patch.path.resolve())],
                    queue,
@@ -115,7 +73,7 @@ def export_queue(repo, queue):
     repo, queue = Path(repo), Path(queue).resolve()
     if not (queue / ".git").is_dir():
         raise ForkError(f"{queue} is not a patch queue (run `python -m forktools pq import` first)")
-    if run_git(["status", "--porcelain", "--untracked-files=no"], queue, queue_env(queue)).stdout.strip():
+    if run_git(["status", "--porcelain", "--untracked-files=no"], queue, repo_env(queue)).stdout.strip():
         raise ForkError(f"{queue} has uncommitted changes; commit them (one commit per patch) before exporting")
     workdir = make_workdir("deepspeed-fork-export-")
     try:
@@ -126,10 +84,61 @@ def export_queue(repo, queue):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def format_patches(queue, outdir, since=BASE_TAG):
-    """The queue's commits since ``since`` (default: ``upstream``) as patch files in ``outdir``, in order."""
-    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{since}..HEAD"], queue, queue_env(queue))
+def format_patches(queue, outdir, since=BASE_TAG, linked_copies=True):
+    """The queue's commits since ``since`` (default: ``upstream``) as patch files in ``outdir``, in order.
+
+    With ``linked_copies``, each change to a file under csrc/ or op_builder/ is written to the sdist's copy
+    of that file too (see ``LINKED_DIRS``), so that every patch gives the build's tree wherever the sdist is
+    patched; upstream's layout (``prs``) has no copies.
+    """
+    head = with_linked_copies(queue, since) if linked_copies else "HEAD"
+    run_git([*_FORMAT_PATCH, "-o", str(outdir), f"{since}..{head}"], queue, repo_env(queue))
     return sorted(Path(outdir).glob("*.patch"))
+
+
+def with_linked_copies(queue, since):
+    """The queue's commits since ``since``, each made again (same author, dates and message) with the sdist's
+    copies of its csrc/ and op_builder/ files; returns the last one's id.
+
+    A commit that already holds the copies is kept as it is, so an untouched queue exports its own commits.
+    Only objects are written: no branch, index or file of the queue changes.
+    """
+    env = repo_env(queue)
+    scratch_index = Path(queue) / ".git" / "forktools-linked-copies.index"
+    index_env = dict(env, GIT_INDEX_FILE=str(scratch_index))
+
+    def git(*args, in_env=env):
+        return run_git(list(args), queue, in_env).stdout.strip()
+
+    base = git("rev-parse", f"{since}^{{commit}}")
+    parent = base
+    try:
+        for commit in git("rev-list", "--reverse", f"{since}..HEAD").split():
+            git("read-tree", commit, in_env=index_env)
+            for path in git("diff", "--name-only", "--no-renames", base, commit, "--", *LINKED_DIRS).splitlines():
+                entry = git("ls-tree", commit, "--", path).split()
+                if entry:
+                    mode, _, blob = entry[:3]
+                    git("update-index", "--add", "--cacheinfo", f"{mode},{blob},{linked_copy(path)}", in_env=index_env)
+                else:
+                    git("update-index", "--force-remove", "--", linked_copy(path), in_env=index_env)
+            tree = git("write-tree", in_env=index_env)
+            if tree == git("rev-parse", f"{commit}^{{tree}}") and parent == git("rev-parse", f"{commit}^"):
+                parent = commit
+                continue
+            people = git("log", "-1", "--date=raw", "--format=%an%x00%ae%x00%ad%x00%cn%x00%ce%x00%cd", commit)
+            author_name, author_email, author_date, name, email, date = people.split("\0")
+            commit_env = dict(env, **identity_env(author_name, author_email, author_date, roles=("AUTHOR", )),
+                              **identity_env(name, email, date, roles=("COMMITTER", )))
+            # The message's bytes as they are: commit-tree takes them verbatim from a file.
+            raw = run_git(["cat-file", "commit", commit], queue, env, binary=True).stdout
+            message = scratch_index.with_suffix(".msg")
+            message.write_bytes(raw.split(b"\n\n", 1)[1] if b"\n\n" in raw else b"")
+            parent = git("commit-tree", tree, "-p", parent, "-F", str(message), in_env=commit_env)
+    finally:
+        scratch_index.unlink(missing_ok=True)
+        scratch_index.with_suffix(".msg").unlink(missing_ok=True)
+    return parent
 
 
 def patch_dir_changes(repo, exported):
@@ -153,43 +162,3 @@ def patch_dir_changes(repo, exported):
     if not series.is_file() or series.read_bytes() != series_text:
         changes[f"{PATCH_DIR}/{SERIES_FILE}"] = series_text
     return changes
-
-
-def write_files(repo, changes):
-    """Apply {relative path: bytes, or None to remove} under ``repo`` all or nothing.
-
-    Each file is replaced atomically (written beside its target, then renamed over it); if any
-    step fails, the files already replaced get their old bytes back, so a failure leaves the
-    repository as it was.
-    """
-    repo = Path(repo)
-    done = []  # (path, its old bytes or None if it did not exist)
-    current = None
-    try:
-        for relative, data in changes.items():
-            current = repo / relative
-            old = current.read_bytes() if current.is_file() else None
-            if data is None:
-                current.unlink(missing_ok=True)
-            else:
-                _replace_file(current, data)
-            done.append((current, old))
-    except BaseException as err:
-        for path, old in reversed(done):
-            if old is None:
-                path.unlink(missing_ok=True)
-            else:
-                _replace_file(path, old)
-        if isinstance(err, OSError):
-            raise ForkError(f"could not write {current}: {err}; the files written before it were restored") from err
-        raise
-
-
-def _replace_file(path, data):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_bytes(data)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)

@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.pq import (BASE_TAG, am_patch, create_queue, format_patches, patch_dir_changes, queue_env, run_git,
-                          write_files)
+from forktools.files import replace_file, write_files
+from forktools.git import repo_env, run_git
+from forktools.pq import am_patch, format_patches, patch_dir_changes
 from forktools.series import PATCH_DIR, explain_failure, local_version_label, read_series
-from forktools.upstream import (PIN_FILE, Pin, download_sdist, make_workdir, pin_file_text, read_pin, sha256_of,
-                                unpack_sdist, verify_sdist)
+from forktools.upstream import (BASE_TAG, PIN_FILE, Pin, Release, download_sdist, make_workdir, pin_file_text,
+                                read_pin, sha256_of, verify_sdist)
 
 UNCHANGED = "applies unchanged"
 OFFSETS = "applies with offsets (refreshed)"
@@ -122,12 +123,11 @@ def refresh(repo, queue, version, sdist=None, force=False, dry_run=False):
                              sha256=sha256_of(path),
                              series_label=local_version_label(repo, patches),
                              pending=[patch.name for patch in patches])
-        tree = unpack_sdist(state.pin, path, workdir / "src")
         if dry_run:
             queue = workdir / "queue"
         elif queue.exists():
             shutil.rmtree(queue)
-        create_queue(queue, tree, state.pin)
+        Release(state.pin, path).queue(queue)
         header = [f"refresh {old_pin.name} {old_pin.version} -> {version} ({path.name}, sha256 {state.sha256})"]
         return _replay(repo, queue, state, {patch.name: patch for patch in patches}, dry_run, header)
     finally:
@@ -147,7 +147,7 @@ def resume_refresh(repo, queue):
     if not state.pending:
         raise ForkError(f"{state_path}: no patch left to continue with; start the refresh again with --force")
     current = state.pending[0]
-    env = queue_env(queue)
+    env = repo_env(queue)
     if (queue / ".git" / "rebase-apply").exists():
         raise ForkError(f"git am is still stopped at {current} in {queue}: finish it first (git am --continue, "
                         "or git am --skip if upstream has the change in another form)")
@@ -190,7 +190,7 @@ def _replay(repo, queue, state, patches, dry_run, header):
 
 def _replay_one(queue, patch):
     """Classify one patch against the queue's tree and commit it if it applies: (outcome, git apply's output)."""
-    env = dict(queue_env(queue), LC_ALL="C")  # git's messages are parsed below
+    env = dict(repo_env(queue), LC_ALL="C")  # git's messages are parsed below
     check = ["apply", "--check", "-v", "--whitespace=nowarn"]
     # Reverse first: a patch whose lines upstream already has may still apply forward, at an
     # offset, and would add them a second time.
@@ -214,7 +214,7 @@ def _stop(queue, state, patch, output, dry_run, header):
     if dry_run:
         lines.append(f"dry run: nothing written; without --dry-run the refresh stops at {patch.name}")
         return Report(lines, conflict=True)
-    env = queue_env(queue)
+    env = repo_env(queue)
     if am_patch(queue, patch).returncode == 0:
         raise ForkError(f"{patch.name} failed git apply --check but git am took it in {queue}")
     # git am applied none of it; stage the hunks that do apply and put the others in .rej files
@@ -230,10 +230,7 @@ def _stop(queue, state, patch, output, dry_run, header):
     if staged:
         run_git(["add", "-A", "--", *staged], queue, env)
     rejects = [f"{target}.rej" for target in files if (queue / f"{target}.rej").is_file()]
-    state_path = queue / ".git" / STATE_FILE
-    partial = state_path.with_name(f".{STATE_FILE}.partial")
-    partial.write_text(json.dumps(asdict(state), indent=1) + "\n")
-    partial.replace(state_path)
+    replace_file(queue / ".git" / STATE_FILE, (json.dumps(asdict(state), indent=1) + "\n").encode())
     lines += [
         f"stopped at {patch.name}: {PIN_FILE} and {PATCH_DIR}/ are unchanged.",
         f"The queue at {queue} has {state.name} {state.version} as its base (tag '{BASE_TAG}') and the patches "

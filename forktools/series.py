@@ -3,22 +3,27 @@
 import email
 import email.policy
 import hashlib
-import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from forktools import ForkError
+from forktools.git import plain_tree_env, run_git
 
 PATCH_DIR = "patches"
 SERIES_FILE = "series"
+# A topic that changes behaviour an upstream test asserts keeps that test's update here, as TOPIC.patch
+# (a git format-patch mail against upstream's tests/, which the sdist does not hold).
+TEST_UPDATES_DIR = Path(PATCH_DIR) / "upstream-tests"
 # DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
 DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
-# The fork's own header fields, for the upstream export (forktools/export.py): the topic (upstream
+# The fork's own header fields, for the upstream pull requests (forktools/prs.py): the topic (upstream
 # pull request) a patch belongs to, the topics its tests need first, and the tests that go with it.
 EXPORT_FIELDS = ("Topic", "Depends-On", "Upstream-Tests")
+# The fork's own README: what the patch fixes, in the row of its table of fixes (python -m forktools readme).
+# A long value goes on over the lines after it that start with a space, as in any trailer.
+README_FIELDS = ("Summary", )
+FIELDS = DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -34,6 +39,15 @@ class Patch:
     @property
     def name(self):
         return self.path.name
+
+    @property
+    def topic(self):
+        """The upstream pull request it belongs to: its Topic field, or a topic of its own named after it."""
+        return self.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", self.name)
+
+    @property
+    def fork_only(self):
+        return self.dep3.get("Forwarded", "no") == "not-needed"
 
     def summary(self):
         """What an installed build reports about this patch."""
@@ -69,11 +83,29 @@ def parse_patch(path):
     body = msg.get_payload()
     message = body.split("\n---\n", 1)[0].strip("\n")
     dep3 = {}
+    key = None
     for line in message.splitlines():
+        if key and line[:1] == " ":
+            dep3[key] = f"{dep3[key]} {line.strip()}"
+            continue
         key, sep, value = line.partition(":")
-        if sep and key in DEP3_FIELDS + EXPORT_FIELDS:
+        if sep and key in FIELDS:
             dep3[key] = value.strip()
+        else:
+            key = None
     return Patch(path=path, subject=subject, author=str(msg["From"]), message=message, dep3=dep3)
+
+
+def without_fields(lines, fields):
+    """The lines of a commit message without the ``fields`` (each with the lines that continue it)."""
+    kept, dropping = [], False
+    for line in lines:
+        if dropping and line[:1] == " ":
+            continue
+        dropping = line.partition(":")[0] in fields
+        if not dropping:
+            kept.append(line)
+    return kept
 
 
 def read_series(repo):
@@ -101,58 +133,56 @@ def local_version_label(repo, patches):
     return f"fork.{len(patches)}.{series_digest(repo, patches)}"
 
 
-def hunks(patch_path):
-    """Yield (target file, hunk number within that file, patch line number, hunk text) for every hunk."""
-    lines = Path(patch_path).read_text(encoding="utf-8").splitlines()
-    target, number, i = None, 0, 0
+@dataclass
+class Hunk:
+    """One hunk of a unified diff (a patch file, or a tool's ``--diff`` output)."""
+    target: str  # the b/ side of the file's "diff --git" line; None in a plain unified diff
+    source: str  # the name on the file's "--- " line, without a tab-separated suffix
+    number: int  # its place among the hunks of its file, from 1
+    line: int  # line number (from 1) of its "@@" header in the diff
+    old_start: int  # the first line of the original file it covers
+    lines: list  # the "@@" header, then the body
+
+
+def diff_hunks(lines):
+    """Every hunk of a unified diff given as its lines, in order."""
+    target = source = None
+    number, i = 0, 0
     while i < len(lines):
         line = lines[i]
         if line.startswith("diff --git "):
-            target, number = line.split(" b/", 1)[-1], 0
+            target, source, number = line.split(" b/", 1)[-1], None, 0
+        elif line.startswith("--- "):
+            source = line[4:].rsplit("\t", 1)[0]
         match = _HUNK_RE.match(line)
         if not match:
             i += 1
             continue
-        # The header's line counts say where the hunk ends (a body line may itself look like "-- ").
+        # The header's line counts say where the hunk ends (a body line may itself look like "-- " or "--- ").
         old_left, new_left = int(match.group(2) or 1), int(match.group(3) or 1)
-        number, start, end = number + 1, i + 1, i + 1
+        number, end = number + 1, i + 1
         while end < len(lines) and (old_left > 0 or new_left > 0 or lines[end].startswith("\\")):
             tag = lines[end][:1]
             old_left -= tag in (" ", "-", "")
             new_left -= tag in (" ", "+", "")
             end += 1
-        yield target, number, start, "\n".join(lines[i:end])
+        yield Hunk(target, source, number, i + 1, int(match.group(1)), lines[i:end])
         i = end
 
 
+def hunks(patch_path):
+    """Every hunk of a patch file."""
+    return diff_hunks(Path(patch_path).read_text(encoding="utf-8").splitlines())
+
+
 def _failed_hunk(patch_path, target, old_start):
-    for hunk_target, number, start, text in hunks(patch_path):
-        match = _HUNK_RE.match(text)
-        if hunk_target == target and match and int(match.group(1)) == old_start:
-            return number, start, text
-    return None
-
-
-def _git():
-    git = shutil.which("git")
-    if git is None:
-        raise ForkError("git is needed to apply the patch series, and it is not on PATH")
-    return git
+    return next((hunk for hunk in hunks(patch_path) if hunk.target == target and hunk.old_start == old_start), None)
 
 
 def apply_patch(tree, patch):
     """Apply one patch to an unpacked tree, all or nothing, or explain which hunk of which file failed."""
     tree = Path(tree).resolve()
-    # Never let git discover a repository above the tree: it would apply paths relative to that
-    # repository's top and silently skip files outside the tree.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    proc = subprocess.run(
-        [_git(), "apply", "--whitespace=nowarn", str(patch.path)],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True)
+    proc = run_git(["apply", "--whitespace=nowarn", str(patch.path)], tree, plain_tree_env(tree), check=False)
     if proc.returncode == 0:
         return
     _, details = explain_failure(patch, proc.stdout)
@@ -174,9 +204,8 @@ def explain_failure(patch, git_apply_output):
             details.append(f"  target file: {target}")
             hunk = _failed_hunk(patch.path, target, int(failed.group(2)))
             if hunk:
-                number, start, text = hunk
-                details.append(f"  failing hunk: #{number} in {target} (line {start} of the patch):")
-                details.extend("    " + hunk_line for hunk_line in text.splitlines())
+                details.append(f"  failing hunk: #{hunk.number} in {target} (line {hunk.line} of the patch):")
+                details.extend("    " + hunk_line for hunk_line in hunk.lines)
         elif missing:
             files.append(missing.group(1))
             details.append(f"  target file: {missing.group(1)} (missing from the upstream tree)")
@@ -191,21 +220,39 @@ def explain_failure(patch, git_apply_output):
 def apply_series(tree, patches):
     for patch in patches:
         apply_patch(tree, patch)
-        mirror_linked_files(tree, patch)
+        check_linked_copies(tree, patch)
 
 
 # In upstream's repository deepspeed/ops/csrc and deepspeed/ops/op_builder are symbolic links to the
-# top-level csrc/ and op_builder/; the sdist holds copies, and the wheel installs the copies. Patches
-# change the top-level files, as upstream pull requests do, so the build copies them over.
+# top-level csrc/ and op_builder/; the sdist holds copies, and the wheel installs the copies. A patch
+# changes both, so that it gives the build's tree wherever it is applied to the sdist: `pq export`
+# writes the copies (forktools/pq.py), `prs` leaves them out again for upstream (forktools/prs.py).
 LINKED_DIRS = ("csrc", "op_builder")
+LINKED_COPIES_DIR = "deepspeed/ops"
 
 
-def mirror_linked_files(tree, patch):
-    for target in dict.fromkeys(target for target, _, _, _ in hunks(patch.path)):
-        if target.split("/", 1)[0] in LINKED_DIRS:
-            copy = tree / "deepspeed" / "ops" / target
-            if (tree / target).exists():
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(tree / target, copy)
-            else:
-                copy.unlink(missing_ok=True)
+def linked_copy(path):
+    """The sdist's copy of ``path`` (a file under csrc/ or op_builder/), or None for any other file."""
+    return f"{LINKED_COPIES_DIR}/{path}" if path.split("/", 1)[0] in LINKED_DIRS else None
+
+
+def linked_original(path):
+    """The file under csrc/ or op_builder/ that ``path`` is the sdist's copy of, or None if it is no copy."""
+    prefix = f"{LINKED_COPIES_DIR}/"
+    original = path[len(prefix):] if path.startswith(prefix) else None
+    return original if original and linked_copy(original) == path else None
+
+
+def check_linked_copies(tree, patch):
+    """Refuse a patch that changes a file under csrc/ or op_builder/ and leaves the sdist's copy behind."""
+    for target in dict.fromkeys(hunk.target for hunk in hunks(patch.path)):
+        copy = linked_copy(target)
+        if copy is None:
+            continue
+        original, twin = tree / target, tree / copy
+        same = (original.read_bytes() == twin.read_bytes()) if original.exists() and twin.exists() else (
+            original.exists() == twin.exists())
+        if not same:
+            raise ForkError(f"patch {patch.name} changes {target} but not the sdist's copy of it, {copy}, which "
+                            "is what the wheel installs. Export the series again from the patch queue "
+                            "(python -m forktools pq import, then pq export writes both; see docs/maintainers.md).")

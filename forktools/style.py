@@ -4,8 +4,8 @@
 # DeepSpeed Team
 """Upstream's style gate, run on what the fork would send upstream: ``python -m forktools style``.
 
-Upstream DeepSpeed's pre-commit hooks and CI refuse code that yapf would reformat, that flake8 or
-codespell flag, that lacks the license header, that calls ``torch.distributed`` or ``torch.cuda``
+Upstream DeepSpeed's pre-commit hooks and CI refuse code that yapf or clang-format would reformat,
+that flake8 or codespell flag, that lacks the license header, that calls ``torch.distributed`` or ``torch.cuda``
 inside ``deepspeed/``, and commits without the author's DCO sign-off. This runs the same checks on
 every file the series adds or changes (in the patched upstream tree), on the fork's tests that go
 upstream (``tests/unit``) and on the patch files, so that a patch can be forwarded as it stands.
@@ -19,6 +19,7 @@ import ast
 import difflib
 import email.utils
 import importlib.metadata
+import json
 import re
 import shutil
 import subprocess
@@ -27,14 +28,54 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.series import PATCH_DIR, apply_series, hunks, read_series
-from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.series import PATCH_DIR, diff_hunks, hunks, linked_original, read_series
+from forktools.upstream import make_workdir, pinned_release
 
-# The gate's exact versions (yapf and flake8 as upstream pins them): another yapf formats
-# differently, another flake8 or codespell flags differently. (distribution, module, version)
-TOOLS = (("yapf", "yapf", "0.40.0"), ("flake8", "flake8", "5.0.4"), ("codespell", "codespell_lib", "2.4.3"))
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A checker the gate runs from the running Python environment, at the exact version upstream uses."""
+    dist: str
+    version: str
+    run: tuple  # the arguments to the running Python that start it
+
+
+# The gate's exact versions (yapf, flake8 and clang-format as upstream pins them): another version
+# formats or flags differently. clang-format's wheel has no __main__ module; its entry point runs it.
+TOOLS = (
+    Tool("yapf", "0.40.0", ("-m", "yapf")),
+    Tool("flake8", "5.0.4", ("-m", "flake8")),
+    Tool("codespell", "2.4.3", ("-m", "codespell_lib")),
+    Tool("clang-format", "18.1.3", ("-c", "import clang_format; clang_format.clang_format()")),
+)
+# Where upstream pins its formatters in the sdist: the gate refuses to run if a release pins another.
+UPSTREAM_DEV_REQUIREMENTS = Path("requirements") / "requirements-dev.txt"
 # Upstream's .style.yapf.
 YAPF_STYLE = "{based_on_style: pep8, split_all_comma_separated_values: false, column_limit: 119}"
+# Upstream's .clang-format is in its git repository, not in the sdist. These are its settings: Google's
+# style with what the file changes, as `clang-format --dump-config` of it shows with clang-format 18.1.3
+# (its Objective-C and protobuf raw-string settings left out: nothing here uses them). Formatted with
+# either, every C/C++ file of the 0.19.8 sdist comes out the same (checked when this was written).
+CLANG_FORMAT_STYLE = {
+    "BasedOnStyle": "Google",
+    "AccessModifierOffset": -4,
+    "AllowAllParametersOfDeclarationOnNextLine": False,
+    "AllowShortBlocksOnASingleLine": "Always",
+    "AllowShortCaseLabelsOnASingleLine": True,
+    "BinPackArguments": False,
+    "BinPackParameters": False,
+    "BreakBeforeBraces": "WebKit",
+    "ColumnLimit": 100,
+    "DerivePointerAlignment": False,
+    "IncludeBlocks": "Preserve",
+    "IndentWidth": 4,
+    "PenaltyBreakAssignment": 4,
+    "Standard": "Latest",
+    "TabWidth": 4,
+}
+# The files upstream's clang-format hook formats (pre-commit's c, c++ and cuda types).
+CLANG_FORMAT_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".cxx", ".hh", ".hpp", ".hxx", ".cu", ".cuh")
 # Upstream's flake8 configuration. --isolated: no configuration file around may change it.
 FLAKE8_OPTIONS = ("--isolated", "--select=E9,F,W6", "--ignore=E,F403,F405,F541,F841,W",
                   "--per-file-ignores=__init__.py:F401")
@@ -50,7 +91,6 @@ FORBIDDEN_IN_DEEPSPEED = (
 # The fork's tests that go upstream unchanged (tests/fork tests the fork's own tooling).
 UPSTREAM_TESTS = Path("tests") / "unit"
 
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _REPORT_RE = re.compile(r"^(.*?):(\d+): (.*)$")
 
 
@@ -75,23 +115,38 @@ class Checked:
     def is_python(self):
         return self.name.endswith(".py")
 
+    @property
+    def is_c_or_cpp(self):
+        return self.name.endswith(CLANG_FORMAT_SUFFIXES)
+
 
 def check_tools():
     """Refuse to run with a missing tool or another version than upstream's, naming what to install."""
     wrong = []
-    for dist, _, version in TOOLS:
+    for tool in TOOLS:
         try:
-            installed = importlib.metadata.version(dist)
+            installed = importlib.metadata.version(tool.dist)
         except importlib.metadata.PackageNotFoundError:
-            wrong.append(f"  {dist} is not installed (needed: {dist}=={version})")
+            wrong.append(f"  {tool.dist} is not installed (needed: {tool.dist}=={tool.version})")
             continue
-        if installed != version:
-            wrong.append(f"  {dist} {installed} is installed, upstream's gate uses {dist}=={version}")
+        if installed != tool.version:
+            wrong.append(f"  {tool.dist} {installed} is installed, upstream's gate uses {tool.dist}=={tool.version}")
     if wrong:
-        pins = " ".join(f"{dist}=={version}" for dist, _, version in TOOLS)
+        pins = " ".join(f"{tool.dist}=={tool.version}" for tool in TOOLS)
         raise ForkError(
             f"the style gate needs upstream's tool versions in this Python environment ({sys.executable}):\n" +
             "\n".join(wrong) + f"\nInstall them with: {sys.executable} -m pip install {pins}")
+
+
+def check_upstream_pins(pristine):
+    """Refuse to run when the release pins another version of a tool than the gate's (after a refresh)."""
+    path = Path(pristine) / UPSTREAM_DEV_REQUIREMENTS
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", path.read_text(), re.M)) if path.is_file() else {}
+    for tool in TOOLS:
+        if pins.get(tool.dist, tool.version) != tool.version:
+            raise ForkError(f"upstream pins {tool.dist}=={pins[tool.dist]} in {UPSTREAM_DEV_REQUIREMENTS.as_posix()}, "
+                            f"the style gate uses {tool.dist}=={tool.version}: update TOOLS in forktools/style.py and "
+                            "requirements/test.txt")
 
 
 def _read_lines(path):
@@ -111,12 +166,16 @@ def added_lines(old_lines, new_lines):
 
 
 def changed_files(pristine, patched):
-    """Every file of the patched tree that the series added or changed, with the lines it added."""
+    """Every file of the patched tree that the series added or changed, with the lines it added.
+
+    The sdist's copies of csrc/ and op_builder/ files are left out: upstream has links there, and the
+    originals are checked.
+    """
     changed = []
     for path in sorted(p for p in patched.rglob("*") if p.is_file()):
         name = path.relative_to(patched).as_posix()
         before = pristine / name
-        if before.is_file() and before.read_bytes() == path.read_bytes():
+        if linked_original(name) or (before.is_file() and before.read_bytes() == path.read_bytes()):
             continue
         old_lines = _read_lines(before) if before.is_file() else []
         changed.append(Checked(name, path, added_lines(old_lines, _read_lines(path))))
@@ -142,25 +201,26 @@ def patch_files(patches):
     for patch in patches:
         lines = _read_lines(patch.path)
         quoted = set()
-        for _, _, header_line, text in hunks(patch.path):
-            for offset, line in enumerate(text.splitlines()[1:], start=1):
+        for hunk in hunks(patch.path):
+            for offset, line in enumerate(hunk.lines[1:], start=1):
                 if line[:1] in (" ", "-", ""):
-                    quoted.add(header_line + offset)
+                    quoted.add(hunk.line + offset)
         own = set(range(1, len(lines) + 1)) - quoted
         checked.append(Checked(f"{PATCH_DIR}/{patch.name}", patch.path, own))
     return checked
 
 
-def _run_tool(module, args, cwd, ok_codes):
+def _run_tool(dist, args, cwd, ok_codes):
     """Run a tool of the current Python environment; its report goes to stdout."""
-    proc = subprocess.run([sys.executable, "-m", module, *args],
+    tool = next(tool for tool in TOOLS if tool.dist == dist)
+    proc = subprocess.run([sys.executable, *tool.run, *args],
                           cwd=cwd,
                           stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE,
                           text=True)
     # Each tool reports its findings on stdout: a failure exit with nothing there is the tool's own failure.
     if proc.returncode not in ok_codes or (proc.returncode != 0 and not proc.stdout.strip()):
-        raise ForkError(f"{module} failed (exit code {proc.returncode}):\n{proc.stderr.strip()[-4000:]}")
+        raise ForkError(f"{dist} failed (exit code {proc.returncode}):\n{proc.stderr.strip()[-4000:]}")
     return proc.stdout
 
 
@@ -174,36 +234,21 @@ def _reports(output, by_path):
 
 def _changed_runs(diff_lines):
     """(original file, first original line, number of original lines) for each run of changes in a unified diff."""
-    i, source = 0, None
-    while i < len(diff_lines):
-        line = diff_lines[i]
-        match = _HUNK_RE.match(line)
-        if line.startswith("--- "):
-            source = line[4:].rsplit("\t", 1)[0]
-        if not match:
-            i += 1
-            continue
-        # The header's counts say where the hunk ends: a body line may itself start with "--- ".
-        old_line, old_left, new_left = int(match.group(1)), int(match.group(2) or 1), int(match.group(3) or 1)
-        run_start, run_length = None, 0
-        i += 1
-        while i < len(diff_lines) and (old_left > 0 or new_left > 0):
-            tag = diff_lines[i][:1]
+    for hunk in diff_hunks(diff_lines):
+        old_line, run_start, run_length = hunk.old_start, None, 0
+        for line in hunk.lines[1:]:
+            tag = line[:1]
             if tag in ("-", "+"):
                 if run_start is None:
                     run_start, run_length = old_line, 0
                 run_length += tag == "-"
             elif tag != "\\" and run_start is not None:
-                yield source, run_start, run_length
+                yield hunk.source, run_start, run_length
                 run_start = None
             if tag in (" ", "-", ""):
                 old_line += 1
-                old_left -= 1
-            if tag in (" ", "+", ""):
-                new_left -= 1
-            i += 1
         if run_start is not None:
-            yield source, run_start, run_length
+            yield hunk.source, run_start, run_length
 
 
 def yapf_problems(files, cwd):
@@ -219,8 +264,24 @@ def yapf_problems(files, cwd):
         return []
     by_path = {str(checked.path): checked for checked in parsable}
     diff = _run_tool("yapf", ["--style", YAPF_STYLE, "--diff", *by_path], cwd, ok_codes=(0, 1))
+    return _reformat_problems("yapf", diff.splitlines(), by_path)
+
+
+def clang_format_problems(files, cwd):
+    """clang-format with upstream's style leaves each C/C++ file unchanged (as its pre-commit hook checks)."""
+    style = json.dumps(CLANG_FORMAT_STYLE)
+    diff = []
+    by_path = {str(checked.path): checked for checked in files}
+    for path, checked in by_path.items():
+        formatted = _run_tool("clang-format", [f"--style={style}", path], cwd, ok_codes=(0, ))
+        diff += difflib.unified_diff(_read_lines(path), formatted.splitlines(), path, path, lineterm="")
+    return _reformat_problems("clang-format", diff, by_path)
+
+
+def _reformat_problems(tool, diff_lines, by_path):
+    """One problem per run of lines a formatter's unified diff changes."""
     problems = []
-    for source, line, length in _changed_runs(diff.splitlines()):
+    for source, line, length in _changed_runs(diff_lines):
         checked = by_path[source]
         if length == 0:
             what = "would insert lines before this line"
@@ -228,7 +289,7 @@ def yapf_problems(files, cwd):
             what = "would reformat this line"
         else:
             what = f"would reformat lines {line}-{line + length - 1}"
-        problems.append(Problem(checked.name, line, f"yapf (upstream's style) {what}"))
+        problems.append(Problem(checked.name, line, f"{tool} (upstream's style) {what}"))
     return problems
 
 
@@ -248,7 +309,7 @@ def codespell_problems(files, cwd):
         return []
     by_path = {str(checked.path): checked for checked in files}
     # codespell exits 65 when it finds a misspelling.
-    output = _run_tool("codespell_lib", list(by_path), cwd, ok_codes=(0, 65))
+    output = _run_tool("codespell", list(by_path), cwd, ok_codes=(0, 65))
     return [
         Problem(checked.name, line, f"codespell: {message}") for checked, line, message in _reports(output, by_path)
         if line in checked.fork_lines
@@ -315,19 +376,19 @@ def check(repo, sdist=None):
     """Run the gate on the series of ``repo``. Returns (sorted problems, one-line summary of what was checked)."""
     check_tools()
     repo = Path(repo)
-    pin = read_pin(repo)
     patches = read_series(repo)
     workdir = make_workdir("deepspeed-fork-style-")
     try:
-        source = fetch_sdist(pin, workdir / "download", explicit=sdist)
-        pristine = unpack_sdist(pin, source, workdir / "pristine")
-        patched = unpack_sdist(pin, source, workdir / "patched")
-        apply_series(patched, patches)
+        release = pinned_release(repo, workdir, sdist)
+        pristine = release.tree(workdir / "pristine")
+        check_upstream_pins(pristine)
+        patched = release.tree(workdir / "patched", patches)
         changed = changed_files(pristine, patched)
         tests = upstream_tests(repo)
         python = [checked for checked in changed + tests if checked.is_python]
         # The tools run in the work directory, where no configuration file of either tree applies.
         problems = yapf_problems(python, workdir) + flake8_problems(python, workdir)
+        problems += clang_format_problems([checked for checked in changed if checked.is_c_or_cpp], workdir)
         problems += codespell_problems(changed + tests + patch_files(patches), workdir)
         for checked in python:
             problems += license_problems(checked)
@@ -338,7 +399,7 @@ def check(repo, sdist=None):
             problems += signoff_problems(patch)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    versions = ", ".join(f"{dist} {version}" for dist, _, version in TOOLS)
+    versions = ", ".join(f"{tool.dist} {tool.version}" for tool in TOOLS)
     summary = (f"style gate passed: {len(patches)} patches, the {len(changed)} files they add or change, "
                f"{len(tests)} files under {UPSTREAM_TESTS.as_posix()} ({versions})")
     return sorted(set(problems)), summary

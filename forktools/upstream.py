@@ -1,9 +1,11 @@
-"""The pinned upstream release: reading the pin, fetching and verifying its sdist, unpacking it."""
+"""The pinned upstream release: reading the pin, fetching and verifying its sdist, unpacking it (as a plain
+tree, with patches applied, or as the base of a patch queue)."""
 
 import hashlib
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forktools import ForkError
+from forktools.git import identity_env, repo_env, run_git
+from forktools.series import apply_series
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +25,11 @@ else:
 PIN_FILE = "upstream.toml"
 # Set to the path of a local copy of the pinned sdist to build without asking an index.
 SDIST_ENV = "DS_FORK_SDIST"
+# The tag of a patch queue's base commit: the pristine sdist.
+BASE_TAG = "upstream"
+# The base commit is made with a fixed identity and date so that every import of the same
+# release yields the same commit ids.
+_BASE_IDENTITY = identity_env("upstream", "upstream@invalid", date="1970-01-01T00:00:00+0000")
 
 
 @dataclass(frozen=True)
@@ -179,3 +188,39 @@ def unpack_sdist(pin, sdist, dest):
 def make_workdir(prefix):
     """A fresh temporary directory outside any git work tree (git apply must not find one)."""
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@dataclass(frozen=True)
+class Release:
+    """An upstream release and its verified sdist: every command and benchmark unpacks trees from here."""
+    pin: Pin
+    sdist: Path
+
+    def tree(self, dest, patches=()):
+        """The sdist unpacked under ``dest``, with ``patches`` (the series, part of it, or none) applied."""
+        tree = unpack_sdist(self.pin, self.sdist, dest)
+        apply_series(tree, patches)
+        return tree
+
+    def queue(self, dest):
+        """The pristine sdist as a git repository at ``dest``: one commit, tagged ``upstream`` (a patch queue's base)."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        unpacked = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            shutil.move(str(unpack_sdist(self.pin, self.sdist, unpacked)), str(dest))
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+        env = repo_env(dest)
+        run_git(["init", "-q", "-b", "patch-queue"], dest, env)
+        run_git(["add", "-A", "-f", "."], dest, env)
+        run_git(["commit", "-q", "--no-verify", "-m", f"{self.pin.name} {self.pin.version} (pristine sdist)"], dest,
+                dict(env, **_BASE_IDENTITY))
+        run_git(["tag", BASE_TAG], dest, env)
+        return dest
+
+
+def pinned_release(repo, workdir, sdist=None):
+    """The release ``repo`` pins, its sdist fetched into ``workdir`` (or ``sdist``, a local copy) and verified."""
+    pin = read_pin(repo)
+    return Release(pin, fetch_sdist(pin, Path(workdir) / "download", explicit=sdist))

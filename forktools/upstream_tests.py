@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.backend import REPO, _upstream_wheel, build_patched_tree
-from forktools.export import TEST_UPDATES_DIR
-from forktools.series import read_series
+from forktools.backend import REPO, patched_wheel
+from forktools.git import plain_tree_env, run_git
+from forktools.series import TEST_UPDATES_DIR, read_series
 
 # What finishes in about an hour on 2 cores: the checkpoint tests the series touches most, without
 # the largest files (test_zero_optimizer.py, test_universal_checkpoint.py: pass --select for them).
@@ -52,12 +52,12 @@ class Verdicts:
 
 def extract_tests(upstream, dest):
     """``tests/`` of the upstream repository's HEAD, as ``dest/tests``; returns (tests folder, commit)."""
-    git = ["git", "-C", str(upstream)]
-    commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    archive = subprocess.run(git + ["archive", "HEAD", "tests"], capture_output=True)
+    commit = run_git(["rev-parse", "--short", "HEAD"], upstream, check=False)
+    archive = run_git(["archive", "HEAD", "tests"], upstream, check=False, binary=True)
     if commit.returncode != 0 or archive.returncode != 0:
+        error = archive.stderr.decode(errors="replace") if commit.returncode == 0 else commit.stdout
         raise ForkError(f"{upstream} is not a git repository of upstream DeepSpeed with a tests/ folder:\n" +
-                        (commit.stderr or archive.stderr.decode(errors="replace")).strip())
+                        error.strip())
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     return dest / "tests", commit.stdout.strip()
@@ -67,20 +67,17 @@ def apply_test_updates(tests_dir, updates):
     """``tests_dir`` with ``updates`` (patch files against upstream's tests/) applied, as a copy beside it."""
     root = tests_dir.parent / "updated"
     shutil.copytree(tests_dir, root / "tests")
-    # As series.apply_patch: never let git find a repository above the copy.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
     for patch in updates:
-        proc = subprocess.run(["git", "apply", str(patch)], cwd=root, env=env, capture_output=True, text=True)
+        proc = run_git(["apply", str(patch)], root, plain_tree_env(root), check=False)
         if proc.returncode != 0:
-            raise ForkError(f"{patch} does not apply to upstream's tests:\n{proc.stderr.strip()}")
+            raise ForkError(f"{patch} does not apply to upstream's tests:\n{proc.stdout.strip()}")
     return root / "tests"
 
 
 def build_wheel(name, workdir, sdist):
     """The wheel of ``name``: the pristine release (the empty series) or the fork."""
     patches = [] if name == "pristine" else read_series(REPO)
-    tree, label = build_patched_tree(workdir / "build", {"sdist": sdist}, patches)
-    return _upstream_wheel(tree, label, workdir / "dist")
+    return patched_wheel(workdir / "build", {"sdist": sdist}, patches)
 
 
 def install(name, workdir, wheel):

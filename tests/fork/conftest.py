@@ -95,7 +95,7 @@ def remove_shm_segments(port):
     """Remove the /dev/shm segments (about 66 MiB per rank) of the job that ran on ``port``, once it has exited.
 
     The pinned upstream release's CPU comm op (csrc/cpu/comm/shm.cpp) never unlinks them; the fork removes
-    their names as soon as every rank has mapped them (patch 0018), so this finds nothing after a fork run.
+    their names as soon as every rank has mapped them (topic `cpu-shm-allreduce-cleanup`), so this finds nothing after a fork run.
     """
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         try:

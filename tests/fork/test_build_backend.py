@@ -158,3 +158,17 @@ def test_hostile_index_sdist_is_refused_before_its_code_runs(repo_copy, tmp_path
     assert f"got      {sha256_of(sdist)}" in proc.stdout
     assert not list((tmp_path / "out").glob("*.whl"))
     assert tree_files(repo_copy) == before
+
+
+def test_patch_leaving_the_sdist_copy_of_a_csrc_file_behind_is_refused(repo_copy, upstream_sdist, tmp_path):
+    """The wheel installs deepspeed/ops/csrc, the sdist's copy of csrc/: a patch that changes only csrc/ would
+    build a wheel without the change, so the build names the patch and the copy."""
+    copies = "deepspeed/ops/csrc/"
+    (patch, ) = [p for p in _patch_files(repo_copy) if f"diff --git a/{copies}" in p.read_text()]
+    sections = re.split(r"(?m)^(?=diff --git )", patch.read_text())
+    patch.write_text("".join(section for section in sections if not section.startswith(f"diff --git a/{copies}")))
+    proc = pip_wheel(repo_copy, tmp_path / "out", sdist=upstream_sdist)
+    assert proc.returncode != 0
+    assert f"patch {patch.name} changes csrc/" in proc.stdout, proc.stdout
+    assert f"not the sdist's copy of it, {copies}" in proc.stdout
+    assert not list((tmp_path / "out").glob("*.whl"))

@@ -76,3 +76,27 @@ def test_export_refuses_uncommitted_changes(repo_copy, upstream_sdist, tmp_path)
     assert proc.returncode != 0
     assert "uncommitted changes" in proc.stdout
     assert tree_files(repo_copy / "patches") == before
+
+
+def test_export_writes_a_csrc_change_to_the_sdist_copy_too(repo_copy, upstream_sdist, tmp_path):
+    """In upstream's repository deepspeed/ops/csrc is a link to csrc/; the sdist holds a copy, which the wheel
+    installs. A change made to csrc/ in the queue is exported to both, so the patch works outside the build."""
+    source, copy = "csrc/cpu/comm/shm.h", "deepspeed/ops/csrc/cpu/comm/shm.h"
+    queue = import_queue(repo_copy, upstream_sdist, tmp_path / "queue")
+    (queue / source).write_text((queue / source).read_text() + "// a maintainer's edit\n")
+    git(queue, "-c", "user.name=Test Maintainer", "-c", "user.email=test@example.invalid", "commit", "-q", "-m",
+        "comm: a new patch that edits csrc/ only", "--", source)
+    proc = forktools(repo_copy, "pq", "export", "--dir", str(queue))
+    assert proc.returncode == 0, proc.stdout
+    new_patch = repo_copy / "patches" / series_names(repo_copy)[-1]
+    text = new_patch.read_text()
+    assert f"diff --git a/{source} b/{source}" in text and f"diff --git a/{copy} b/{copy}" in text
+    # The queue itself is left as it was: its commit still changes csrc/ only ...
+    assert git(queue, "show", "--format=", "--name-only", "HEAD").split() == [source]
+    # ... and importing the exported series gives a queue whose commits hold both, which exports unchanged.
+    before = tree_files(repo_copy / "patches")
+    again = import_queue(repo_copy, upstream_sdist, tmp_path / "again")
+    assert git(again, "show", "--format=", "--name-only", "HEAD").split() == [source, copy]
+    proc = forktools(repo_copy, "pq", "export", "--dir", str(again))
+    assert proc.returncode == 0 and "patches/ is up to date" in proc.stdout, proc.stdout
+    assert tree_files(repo_copy / "patches") == before

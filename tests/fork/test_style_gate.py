@@ -25,6 +25,9 @@ CUDA_CALL = "    torch.cuda.synchronize()"
 LONG_LINE = ("unforwarded_patch_names = [patch['name'] for patch in patches "
              "if patch['forwarded'] == 'no' and patch['applied_upstream'] == 'no' and patch['name']]")
 OTHER_SIGNOFF = "Signed-off-by: Someone Else <someone.else@example.invalid>"
+SHM_H = "csrc/cpu/comm/shm.h"
+# A declaration clang-format with upstream's style writes as "int shm_ranks(int size) { return size; }".
+UNFORMATTED_CPP = "int  shm_ranks ( int size ){return size;}"
 
 
 def style_gate(repo, sdist):
@@ -99,6 +102,9 @@ def broken_series(tmp_path_factory, upstream_sdist):
     assert len(LONG_LINE) > 119
     fork_info_patch, _ = patch_changing(repo, FORK_INFO)
     rewrite_patch(queue, fork_info_patch, lambda tree: append_lines(tree / FORK_INFO, LONG_LINE))
+    # A C++ line clang-format would reformat, in the patch that changes shm.h.
+    shm_patch, _ = patch_changing(repo, SHM_H)
+    rewrite_patch(queue, shm_patch, lambda tree: append_lines(tree / SHM_H, UNFORMATTED_CPP))
     # A sign-off by someone else than the author, in the first patch.
     rewrite_patch(queue, 1, edit_message=lambda text: re.sub(r"(?m)^Signed-off-by: .*$", OTHER_SIGNOFF, text))
     # A new module without the license header, in the last patch.
@@ -110,6 +116,7 @@ def broken_series(tmp_path_factory, upstream_sdist):
     expected = {
         "torch.cuda": (LINEAR, line_number(queue / LINEAR, CUDA_CALL)),
         "yapf": (FORK_INFO, line_number(queue / FORK_INFO, LONG_LINE)),
+        "clang-format": (SHM_H, line_number(queue / SHM_H, UNFORMATTED_CPP)),
         "dco": (f"patches/{first_patch.name}", line_number(first_patch, OTHER_SIGNOFF)),
         "license": (NEW_FILE, 1),
     }
@@ -138,6 +145,12 @@ def test_added_line_yapf_would_reformat_fails_naming_file_and_line(broken_series
     assert problems[expected["yapf"]].startswith("yapf"), proc.stdout
 
 
+def test_added_cpp_line_clang_format_would_reformat_fails_naming_file_and_line(broken_series):
+    proc, problems, expected = broken_series
+    assert proc.returncode == 1, proc.stdout
+    assert problems[expected["clang-format"]] == "clang-format (upstream's style) would reformat this line", proc.stdout
+
+
 def test_signoff_other_than_the_author_fails_naming_the_patch(broken_series):
     proc, problems, expected = broken_series
     assert proc.returncode == 1, proc.stdout
@@ -155,4 +168,4 @@ def test_added_module_without_license_header_fails(broken_series):
 def test_gate_reports_those_problems_and_no_other(broken_series):
     proc, problems, expected = broken_series
     assert set(problems) == set(expected.values()), proc.stdout
-    assert "style gate failed: 4 problem(s)" in proc.stdout
+    assert "style gate failed: 5 problem(s)" in proc.stdout

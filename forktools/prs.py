@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The series as upstream pull requests: ``python -m forktools export [--out DIR]``.
+"""The series as upstream pull requests: ``python -m forktools prs [--out DIR]``.
 
 A topic is one upstream pull request: the patches whose header says ``Topic: NAME`` (a patch with
 no Topic is a topic of its own; fork-only patches, ``Forwarded: not-needed``, are not exported),
@@ -14,10 +14,12 @@ For each topic, in series order, ``DIR/NN-TOPIC/`` gets:
 
 - ``TOPIC.mbox``: one commit per patch, then one commit adding the tests, as ``git format-patch``
   writes them; ``git am TOPIC.mbox`` applies it to a repository of the pristine upstream release
-  (after the mailboxes of the topics it depends on). The fork's own header fields are left out;
-  the DCO sign-off stays.
+  (after the mailboxes of the topics it depends on). The fork's own header fields are left out,
+  and so are the sdist's copies of csrc/ and op_builder/ files (links in upstream's repository).
+  Every commit keeps its author's DCO sign-off and gets, after it, the sign-off of the person who
+  exports it (git's user.name and user.email; the export refuses to run without them).
 - ``PR.md``: the pull request's title and description (symptom, root cause and fix from each
-  patch's message; how it was verified; what it depends on).
+  patch's message; how it was verified; what it depends on; who signed it off).
 - ``upstream-test-updates.patch``, for a topic that changes behaviour an upstream test asserts: the
   update of that test, with the reason (``patches/upstream-tests/TOPIC.patch``). It changes
   upstream's ``tests/``, which the sdist does not hold, so ``git am`` it after the mailbox in a
@@ -34,17 +36,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from forktools import ForkError
-from forktools.pq import am_patch, create_queue, format_patches, queue_env, run_git
-from forktools.series import DEP3_FIELDS, EXPORT_FIELDS, parse_patch, read_series
-from forktools.upstream import fetch_sdist, make_workdir, read_pin, unpack_sdist
+from forktools.git import configured_identity, identity_env, repo_env, run_git
+from forktools.pq import am_patch, format_patches
+from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, README_FIELDS, TEST_UPDATES_DIR, linked_original, parse_patch,
+                              read_series, without_fields)
+from forktools.upstream import make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
-_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS if name not in ("Bug", "Origin"))
-
-# A topic that changes behaviour an upstream test asserts keeps that test's update here, as TOPIC.patch
-# (a git format-patch mail against upstream's tests/).
-TEST_UPDATES_DIR = Path("patches") / "upstream-tests"
+_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS if name not in ("Bug", "Origin"))
+# Where a topic's update of upstream tests goes beside its mailbox.
 TEST_UPDATES_FILE = "upstream-test-updates.patch"
 
 
@@ -61,10 +62,9 @@ def topics_of(repo, patches):
     """The series' topics in series order (by their first patch), checking their fields."""
     topics = {}
     for patch in patches:
-        if patch.dep3.get("Forwarded", "no") == "not-needed":
+        if patch.fork_only:
             continue
-        name = patch.dep3.get("Topic") or re.sub(r"^\d+-|\.patch$", "", patch.name)
-        topic = topics.setdefault(name, Topic(name))
+        topic = topics.setdefault(patch.topic, Topic(patch.topic))
         topic.patches.append(patch)
         # Several patches of one topic may name the same test file; the topic adds it once.
         topic.tests += [test for test in patch.dep3.get("Upstream-Tests", "").split() if test not in topic.tests]
@@ -94,20 +94,77 @@ def topics_of(repo, patches):
     return list(topics.values())
 
 
-def mailbox_message(patch):
-    """The patch file without the fork-only header fields, for ``git am``."""
+def exporter_signoff(repo):
+    """``Name <email>`` of the person exporting, from git's user.name and user.email, for their DCO sign-off."""
+    name, address = configured_identity(repo)
+    if not name or not address:
+        missing = [key for key, value in (("user.name", name), ("user.email", address)) if not value]
+        verb = "are" if len(missing) > 1 else "is"
+        raise ForkError(f"forktools prs signs off every exported commit as you (upstream's DCO), from git's "
+                        f"user.name and user.email, and {' and '.join(missing)} {verb} not set. Set your own "
+                        "identity, e.g.\n"
+                        "  git config --global user.name 'Your Name'\n"
+                        "  git config --global user.email you@example.com")
+    return f"{name} <{address}>"
+
+
+def signed_off(message, signer):
+    """A commit message (or a patch mail's head) whose trailers end with ``Signed-off-by: signer``.
+
+    The author's sign-off stays: upstream's DCO check wants one that matches the commit's author, and the
+    person who passes the change on adds theirs after it.
+    """
+    lines = message.rstrip("\n").split("\n")
+    signoff = f"Signed-off-by: {signer}"
+    if any(line.strip().lower() == signoff.lower() for line in lines):
+        return message
+    last = max((i for i, line in enumerate(lines) if line.startswith("Signed-off-by:")), default=None)
+    if last is None:
+        lines += ["", signoff]
+    else:
+        lines.insert(last + 1, signoff)
+    return "\n".join(lines) + message[len(message.rstrip("\n")):]
+
+
+def mailbox_message(patch, signer):
+    """The patch file for ``git am`` onto upstream: without the fork-only header fields, signed off by
+    ``signer``, and in upstream's layout, where deepspeed/ops/csrc and deepspeed/ops/op_builder are links to
+    csrc/ and op_builder/ (the patch's changes to the sdist's copies are left out)."""
     text = patch.path.read_text(encoding="utf-8")
     head, sep, diff = text.partition("\n---\n")
-    kept = [line for line in head.split("\n") if line.partition(":")[0] not in _FORK_ONLY_FIELDS]
-    return "\n".join(kept) + sep + diff
+    kept = without_fields(head.split("\n"), _FORK_ONLY_FIELDS)
+    return signed_off("\n".join(kept), signer) + sep + upstream_layout(patch, diff)
 
 
-def commit_topic(queue, topic, repo, scratch):
-    """Apply ``topic``'s patches and commit its tests in ``queue``; the commits' range start is returned."""
-    start = run_git(["rev-parse", "HEAD"], queue, queue_env(queue)).stdout.strip()
+def upstream_layout(patch, diff):
+    """``diff`` (a patch's diffstat and diffs) without the diffs of the sdist's copies of linked files."""
+    sections = re.split(r"(?m)^(?=diff --git )", diff)
+    paths = [re.match(r"diff --git a/\S+ b/(\S+)", section) for section in sections]
+    changed = {match.group(1) for match in paths if match}
+    kept = []
+    for section, match in zip(sections, paths):
+        original = linked_original(match.group(1)) if match else None
+        if original is None:
+            kept.append(section)
+        elif original not in changed:
+            raise ForkError(f"{patch.name} changes {match.group(1)} but not {original}: in upstream's repository the "
+                            f"first is a link to the second; change {original} in the patch queue")
+    return "".join(kept)
+
+
+def signed_test_updates(path, signer):
+    """A topic's update of upstream tests (a patch mail), signed off by ``signer`` too."""
+    head, sep, diff = Path(path).read_text(encoding="utf-8").partition("\n---\n")
+    return signed_off(head, signer) + sep + diff
+
+
+def commit_topic(queue, topic, repo, scratch, signer):
+    """Apply ``topic``'s patches and commit its tests in ``queue``, signed off by ``signer`` too; the commits'
+    range start is returned."""
+    start = run_git(["rev-parse", "HEAD"], queue, repo_env(queue)).stdout.strip()
     for patch in topic.patches:
         stripped = scratch / patch.name
-        stripped.write_text(mailbox_message(patch), encoding="utf-8")
+        stripped.write_text(mailbox_message(patch, signer), encoding="utf-8")
         proc = am_patch(queue, replace(patch, path=stripped))
         if proc.returncode != 0:
             raise ForkError(f"topic {topic.name}: {patch.name} does not apply with git am on the pristine upstream "
@@ -119,26 +176,22 @@ def commit_topic(queue, topic, repo, scratch):
             shutil.copyfile(Path(repo) / test, target)
         author = topic.patches[-1].author
         name, address = email.utils.parseaddr(author)
-        env = dict(queue_env(queue),
-                   GIT_AUTHOR_NAME=name,
-                   GIT_AUTHOR_EMAIL=address,
-                   GIT_COMMITTER_NAME=name,
-                   GIT_COMMITTER_EMAIL=address)
+        env = dict(repo_env(queue), **identity_env(name, address))
         run_git(["add", "-f", *topic.tests], queue, env)
         message = (f"tests: {topic.patches[0].subject}\n\n"
                    f"Tests for this change, in DeepSpeed's DistributedTest style:\n\n" +
-                   "".join(f"- {test}\n" for test in topic.tests) + f"\nSigned-off-by: {name} <{address}>\n")
+                   "".join(f"- {test}\n" for test in topic.tests) +
+                   signed_off(f"\nSigned-off-by: {name} <{address}>\n", signer))
         run_git(["commit", "-q", "--no-verify", "-m", message], queue, env)
     return start
 
 
-def pr_description(topic, topics_dir_names):
-    """PR.md: the title, each patch's message (symptom, root cause, fix), verification, dependencies."""
+def pr_description(topic, topics_dir_names, signer):
+    """PR.md: the title, each patch's message (symptom, root cause, fix), verification, dependencies, sign-off."""
     lines = [f"# {topic.patches[0].subject}", ""]
     for patch in topic.patches:
         # The message holds the body only (the subject is a header of the patch file).
-        body = "\n".join(line for line in patch.message.strip("\n").split("\n")
-                         if line.partition(":")[0] not in _FORK_ONLY_FIELDS + ("Signed-off-by", ))
+        body = "\n".join(without_fields(patch.message.strip("\n").split("\n"), _FORK_ONLY_FIELDS + ("Signed-off-by", )))
         if len(topic.patches) > 1:
             lines += [f"## {patch.subject}", ""]
         lines += [body.strip("\n"), ""]
@@ -166,49 +219,45 @@ def pr_description(topic, topics_dir_names):
             for dep in topic.depends_on
         ]
         lines.append("")
+    lines += ["## Sign-off", "", f"Every commit carries its author's `Signed-off-by:` and, after it, that of {signer}, "
+              "who exported it from the fork and submits it (DCO).", ""]
     return "\n".join(lines)
 
 
 def export_topics(repo, out_dir, sdist=None):
     """Write every topic's mailbox and PR description under ``out_dir``; returns [(topic, its dir)]."""
     repo, out_dir = Path(repo), Path(out_dir)
-    pin = read_pin(repo)
+    signer = exporter_signoff(repo)
     topics = topics_of(repo, read_series(repo))
     dir_names = {topic.name: f"{index:02d}-{topic.name}" for index, topic in enumerate(topics, start=1)}
     workdir = make_workdir("deepspeed-fork-upstream-prs-")
     try:
-        sdist_path = fetch_sdist(pin, workdir / "download", explicit=sdist)
+        release = pinned_release(repo, workdir, sdist)
         scratch = workdir / "scratch"
         scratch.mkdir()
         staging = workdir / "out"
-
-        def pristine_repo(name):
-            queue = workdir / name
-            create_queue(queue, unpack_sdist(pin, sdist_path, workdir / f"{name}-src"), pin)
-            return queue
-
         # All topics in series order, on one repository: the mailboxes come from here.
-        in_order = pristine_repo("in-series-order")
+        in_order = release.queue(workdir / "in-series-order")
         for topic in topics:
-            start = commit_topic(in_order, topic, repo, scratch)
+            start = commit_topic(in_order, topic, repo, scratch, signer)
             topic_dir = staging / dir_names[topic.name]
             topic_dir.mkdir(parents=True)
-            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start)
+            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start,
+                                     linked_copies=False)
             mailbox = b"".join(path.read_bytes() for path in commits)
             (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
-            (topic_dir / "PR.md").write_text(pr_description(topic, dir_names), encoding="utf-8")
+            (topic_dir / "PR.md").write_text(pr_description(topic, dir_names, signer), encoding="utf-8")
             if topic.test_updates:
-                shutil.copyfile(topic.test_updates, topic_dir / TEST_UPDATES_FILE)
+                (topic_dir / TEST_UPDATES_FILE).write_text(signed_test_updates(topic.test_updates, signer),
+                                                            encoding="utf-8")
         # Topics that depend on nothing must apply alone too.
         for topic in topics:
             if not topic.depends_on:
-                alone = pristine_repo(f"alone-{topic.name}")
+                alone = release.queue(workdir / f"alone-{topic.name}")
                 mailbox = staging / dir_names[topic.name] / f"{topic.name}.mbox"
                 proc = run_git(["am", "-q", "--no-3way", str(mailbox)],
                                alone,
-                               dict(queue_env(alone),
-                                    GIT_COMMITTER_NAME="export",
-                                    GIT_COMMITTER_EMAIL="export@invalid"),
+                               dict(repo_env(alone), **identity_env("prs", "prs@invalid", roles=("COMMITTER", ))),
                                check=False)
                 if proc.returncode != 0:
                     raise ForkError(f"topic {topic.name} has no Depends-On but does not apply alone on the pristine "

@@ -269,14 +269,22 @@ def load_worker(kind, scale, save_dir, weights_only):
 
     checkpoint_config = None if weights_only else {"weights_only": False}
     engine, _ = build_engine(kind, scale, checkpoint_config)
+    report_slowest("load_s", "loaded", lambda: engine.load_checkpoint(save_dir))
+
+
+def report_slowest(key, phase, call):
+    """Run ``call`` on every rank between two barriers; rank 0 prints its wall time (the slowest
+    rank's) as ``key``. Ends the job."""
+    import deepspeed.comm as dist
+
     dist.barrier()
     start = time.perf_counter()
-    engine.load_checkpoint(save_dir)
+    call()
     dist.barrier()
     elapsed = time.perf_counter() - start
-    log_memory("loaded")
+    log_memory(phase)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"load_s": elapsed}), flush=True)
+        print("RESULT " + json.dumps({key: elapsed}), flush=True)
     dist.destroy_process_group()
 
 
@@ -291,15 +299,7 @@ def save_worker(kind, scale, save_dir, fsync):
     ids = torch.randint(0, engine.module.config.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    dist.barrier()
-    start = time.perf_counter()
-    engine.save_checkpoint(save_dir, tag="step1")
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    log_memory("saved")
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"save_s": elapsed}), flush=True)
-    dist.destroy_process_group()
+    report_slowest("save_s", "saved", lambda: engine.save_checkpoint(save_dir, tag="step1"))
 
 
 def du(path):

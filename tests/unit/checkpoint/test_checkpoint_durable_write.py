@@ -21,12 +21,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-import deepspeed
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
 from unit.common import DistributedTest
 
-SEQ_LEN = 8
 # pid name(args) = result, or the two halves of a call that strace -f shows interrupted by another.
 CALL = re.compile(r'^(\d+) +(\w+)\((.*?)(?:\) += (-?\d+).*| <unfinished \.\.\.>)$')
 RESUMED = re.compile(r'^(\d+) +<\.\.\. (\w+) resumed>.*\) += (-?\d+)')
@@ -126,7 +124,7 @@ class TestSaveThatRaises(DistributedTest):
     world_size = 1
 
     def test_leaves_no_temporary_file(self, tmpdir):
-        engine = initialize(fsync=True)
+        engine = initialize(2)
         train_step(engine)
         save_dir = str(tmpdir)
         with pytest.raises(Exception, match="pickle"):
@@ -137,49 +135,8 @@ class TestSaveThatRaises(DistributedTest):
         assert engine.load_checkpoint(save_dir)[0] is not None
 
 
-# The job, on every rank.
-
-
-def initialize(fsync):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(42)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=SEQ_LEN))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "steps_per_print": 1000,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": 2
-        },
-        "checkpoint": {
-            "fsync": fsync
-        },
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    return engine
-
-
-def train_step(engine):
-    ids = torch.randint(0, 64, (2, SEQ_LEN), generator=torch.Generator().manual_seed(engine.global_rank))
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
-
-
 if __name__ == "__main__":
     save_dir, fsync = sys.argv[1], sys.argv[2] == "True"
-    engine = initialize(fsync)
+    engine = initialize(2, fsync=fsync)
     train_step(engine)
     engine.save_checkpoint(save_dir, tag="global_step1")

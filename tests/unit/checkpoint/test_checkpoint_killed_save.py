@@ -115,7 +115,7 @@ def say(line):
     sys.stdout.flush()
 
 
-def initialize(stage, node_local=False):
+def initialize(stage, node_local=False, fsync=True):
     import torch
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -142,7 +142,8 @@ def initialize(stage, node_local=False):
             "stage": stage
         },
         "checkpoint": {
-            "use_node_local_storage": node_local
+            "use_node_local_storage": node_local,
+            "fsync": fsync
         },
     }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())

@@ -15,6 +15,7 @@ tensor-parallel rank only. The tp1 cases are the baseline, which 0.19.8 passes t
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,19 +89,19 @@ def assert_refuses_incomplete_checkpoints(save_dir, stage):
     missing_optim = "zero_pp_rank_1_mp_rank_01_optim_states.pt"
     copy, tag_dir = copy_checkpoint(save_dir, "missing_optim")
     os.remove(os.path.join(tag_dir, missing_optim))
-    with pytest.raises(ValueError, match=f"missing the optimizer states files of .*{missing_optim}"):
+    with pytest.raises(ValueError, match=re.escape(f"{missing_optim} (missing)")):
         get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
 
     missing_model = "zero_pp_rank_1_mp_rank_01_model_states.pt" if stage == 3 else "mp_rank_01_model_states.pt"
     copy, tag_dir = copy_checkpoint(save_dir, "missing_model")
     os.remove(os.path.join(tag_dir, missing_model))
-    with pytest.raises(ValueError, match=f"missing the model states files of .*{missing_model}"):
+    with pytest.raises(ValueError, match=re.escape(f"{missing_model} (missing)")):
         get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
 
     extra = "zero_pp_rank_2_mp_rank_01_optim_states.pt"
     copy, tag_dir = copy_checkpoint(save_dir, "extra_optim")
     shutil.copy(os.path.join(tag_dir, "zero_pp_rank_1_mp_rank_01_optim_states.pt"), os.path.join(tag_dir, extra))
-    with pytest.raises(ValueError, match=f"unexpected optimizer states files {extra}"):
+    with pytest.raises(ValueError, match=re.escape(f"{extra} (unexpected")):
         get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
 
 

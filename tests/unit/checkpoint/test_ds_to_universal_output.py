@@ -167,7 +167,7 @@ class TestDsToUniversalOutput(DistributedTest):
             assert not [name for name in os.listdir(folder) if name.endswith((".tmp", ".old"))]
             files = universal_files(universal)
 
-            # A run killed half way leaves no output and no marker; the rerun succeeds.
+            # A run killed half way leaves no output and no record; the rerun succeeds.
             interrupted = os.path.join(folder, "interrupted", "step2_universal")
             proc = run_cli(checkpoint, interrupted, workers=1, kill_after_saves=3)
             assert proc.returncode == -signal.SIGKILL, proc.stdout
@@ -185,13 +185,21 @@ class TestDsToUniversalOutput(DistributedTest):
                 os.makedirs(taken)
                 with open(os.path.join(taken, "notes.txt"), "w") as f:
                     f.write("mine")
-            with pytest.raises(FileExistsError, match="not written by ds_to_universal"):
+            with pytest.raises(FileExistsError, match="step2_universal, which ds_to_universal did not write"):
                 convert_to_universal(convert_args(checkpoint, universal))
             convert_to_universal(convert_args(checkpoint, interrupted))
             for taken in (universal, f"{interrupted}.tmp", f"{os.path.dirname(interrupted)}/.step2_universal.tmp"):
                 assert os.listdir(taken) == ["notes.txt"]
                 with open(os.path.join(taken, "notes.txt")) as f:
                     assert f.read() == "mine"
+            assert_same(universal_files(interrupted), files)
+
+            # A file of the user's added to a converted folder makes it one the conversion did not write.
+            with open(os.path.join(interrupted, "notes.txt"), "w") as f:
+                f.write("mine")
+            with pytest.raises(FileExistsError, match="step2_universal, which ds_to_universal did not write"):
+                convert_to_universal(convert_args(checkpoint, interrupted))
+            os.remove(os.path.join(interrupted, "notes.txt"))
             assert_same(universal_files(interrupted), files)
 
             # An incomplete checkpoint is refused before anything is written, naming the file.

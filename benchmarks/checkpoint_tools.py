@@ -10,7 +10,8 @@ in fp32, gloo on CPU, saved by unpatched upstream 0.19.8 unless ``--save-with fo
 * ``autotp-z1``, ``autotp-z3``: a ``transformers`` LlamaForCausalLM built from a config, AutoTP
   tp2 x dp2 (world size 4), ZeRO stage 1 and 3 (254M parameters at ``--scale full``);
 * ``zero3``: the same kind of Llama, plain ZeRO-3 at world size 2, built under ``zero.Init``
-  (569M parameters at ``--scale full``);
+  (569M parameters at ``--scale full``); ``zero3-ws1`` (only with ``--checkpoints``): the same
+  at world size 1, the baseline of a job on one rank;
 
 and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--variants``,
 ``fork-trusting``: the fork with its weights_only check off, ``--no_weights_only`` or
@@ -27,6 +28,12 @@ and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--
   (same world size, model built as when it was saved) that resumes from it with
   ``engine.load_checkpoint(dir)``; the time is that of ``load_checkpoint`` alone (slowest rank),
   the memory that of the whole job;
+* ``load_resharded`` (``--tools load_resharded``): the same, in a job of another data-parallel size
+  (world size 1 for ``zero3``, 2 for ``zero3-ws1`` and the tp2 x dp2 checkpoints), which the fork
+  loads straight from the rank files and upstream refuses;
+* ``load_universal`` (``--tools load_universal``): the same job, loading the checkpoint converted
+  by the fork's ``ds_to_universal`` (converted once, untimed) with ``"checkpoint":
+  {"load_universal": true}``: with the ``ds_to_universal`` row, the offline path;
 * ``save_checkpoint`` (``--tools save_checkpoint``): a training job of the checkpoint's topology
   that trains one step and saves with ``engine.save_checkpoint(OUTPUT_DIR)``; the time is that of
   ``save_checkpoint`` alone (slowest rank);
@@ -78,7 +85,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "save_checkpoint")
+TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_universal", "save_checkpoint")
+LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_universal")
 # fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
 # ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
 # fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
@@ -103,7 +111,9 @@ CHECKPOINTS = {
     "autotp-z1": ("autotp", 1, 4, 2),
     "autotp-z3": ("autotp", 3, 4, 2),
     "zero3": ("zero3", 3, 2, 1),
+    "zero3-ws1": ("zero3", 3, 1, 1),
 }
+DEFAULT_CHECKPOINTS = ("autotp-z1", "autotp-z3", "zero3")
 INJECT_HINTS = ("--inject_missing_state", "Required universal_checkpoint_info state is missing")
 
 
@@ -188,14 +198,22 @@ def log_memory(phase):
           flush=True)
 
 
-def build_engine(kind, scale, checkpoint_config=None):
-    """One rank's engine of the checkpoint ``kind``'s model; returns it with its number of parameters."""
+def reshard_world_size(kind):
+    """The world size of ``load_resharded``: half the data-parallel ranks, or twice one."""
+    _, _, world_size, tp_size = CHECKPOINTS[kind]
+    return world_size // 2 if world_size // tp_size > 1 else world_size * 2
+
+
+def build_engine(kind, scale, checkpoint_config=None, world_size=None):
+    """One rank's engine of the checkpoint ``kind``'s model (at its world size unless ``world_size``);
+    returns it with its number of parameters."""
     import torch
     import deepspeed
     import deepspeed.comm as dist
     from transformers import LlamaForCausalLM
 
-    model_name, stage, world_size, tp_size = CHECKPOINTS[kind]
+    model_name, stage, saved_world_size, tp_size = CHECKPOINTS[kind]
+    world_size = world_size or saved_world_size
     deepspeed.init_distributed()
     assert dist.get_world_size() == world_size, f"{kind} needs world size {world_size}"
     config = {
@@ -262,13 +280,15 @@ def create_worker(kind, scale, save_dir):
     dist.destroy_process_group()
 
 
-def load_worker(kind, scale, save_dir, weights_only):
-    """One rank of a training job that resumes from the checkpoint ``kind`` (same topology); prints
-    the wall time of ``load_checkpoint`` alone, the slowest rank's."""
-    import deepspeed.comm as dist
-
-    checkpoint_config = None if weights_only else {"weights_only": False}
-    engine, _ = build_engine(kind, scale, checkpoint_config)
+def load_worker(kind, scale, save_dir, weights_only, world_size=None, load_universal=False):
+    """One rank of a training job that resumes from the checkpoint ``kind`` (at its world size unless
+    ``world_size``); prints the wall time of ``load_checkpoint`` alone, the slowest rank's."""
+    checkpoint_config = {}
+    if not weights_only:
+        checkpoint_config["weights_only"] = False
+    if load_universal:
+        checkpoint_config["load_universal"] = True
+    engine, _ = build_engine(kind, scale, checkpoint_config, world_size)
     report_slowest("load_s", "loaded", lambda: engine.load_checkpoint(save_dir))
 
 
@@ -501,14 +521,20 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
     flags = list(flags)
     if tool == "zero_to_fp32":
         return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + flags
-    if tool in ("load_checkpoint", "save_checkpoint"):
+    if tool in LOAD_TOOLS or tool == "save_checkpoint":
         kind, scale = checkpoint_dir.name, checkpoint_dir.parent.name
+        world_size = CHECKPOINTS[kind][2]
         job = ["--load", kind, "--save-dir", str(checkpoint_dir)]
         if tool == "save_checkpoint":
             job = ["--save", kind, "--save-dir", str(output_dir)]
+        if tool in ("load_resharded", "load_universal"):
+            world_size = reshard_world_size(kind)
+            job += ["--load-world-size", str(world_size)]
+        if tool == "load_universal":
+            job = ["--load", kind, "--save-dir", str(universal_dir(checkpoint_dir)), "--load-universal"] + job[4:]
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-            str(CHECKPOINTS[kind][2]), "--master_port",
+            str(world_size), "--master_port",
             str(free_port()), __file__, "--scale", scale
         ] + job + flags
     tag_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
@@ -518,6 +544,34 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
         str(output_dir)
     ]
     return cmd + (["--inject_missing_state"] if inject else []) + flags
+
+
+def universal_dir(checkpoint_dir):
+    """Where ``load_universal`` finds the fork's conversion of a checkpoint (``latest_universal`` in it)."""
+    return checkpoint_dir.parents[2] / "universal" / checkpoint_dir.parent.name / checkpoint_dir.name
+
+
+def ensure_universal(checkpoint_dir, tree, ext_dir):
+    """Convert the checkpoint with the fork's ds_to_universal, once, untimed."""
+    folder = universal_dir(checkpoint_dir)
+    if (folder / "latest_universal").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    print(f"converting {checkpoint_dir.name} for load_universal ...", flush=True)
+    tag_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    subprocess.run([
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+        str(tag_dir), "--output_folder",
+        str(folder / f"{tag_dir.name}_universal")
+    ],
+                   env=dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext_dir / "fork")),
+                   check=True,
+                   stdout=subprocess.DEVNULL)
+    for name in os.listdir(checkpoint_dir):
+        # The Trainer's and the engine's other files beside the tags (zero_to_fp32.py, latest).
+        if (checkpoint_dir / name).is_file() and name != "latest_universal":
+            shutil.copy2(checkpoint_dir / name, folder / name)
 
 
 def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat):
@@ -539,12 +593,12 @@ def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, rep
         script = runs_dir / "scripts" / build / "zero_to_fp32.py"
         script.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tree / "deepspeed" / "utils" / "zero_to_fp32.py", script)
-    if tool in ("load_checkpoint", "save_checkpoint"):
+    if tool in LOAD_TOOLS or tool == "save_checkpoint":
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # as when the checkpoint was created
     cmd = tool_command(tool, script, checkpoint_dir, output_dir, inject, VARIANT_FLAGS.get(variant, ()))
     result = run_measured(cmd, env, scratch, log_file)
     for line in Path(log_file).read_text(errors="replace").splitlines():
-        if line.startswith("RESULT ") and tool in ("load_checkpoint", "save_checkpoint"):
+        if line.startswith("RESULT ") and (tool in LOAD_TOOLS or tool == "save_checkpoint"):
             # The time of the call alone; the job's (engine initialization included) is kept.
             result["job_seconds"] = result["seconds"]
             result["seconds"] = next(iter(json.loads(line[len("RESULT "):]).values()))
@@ -604,7 +658,7 @@ def main():
     parser.add_argument("--scale", choices=sorted(LLAMA), default="full", help="model sizes (small: to try it out)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each tool and variant (median)")
     parser.add_argument("--checkpoints",
-                        default=",".join(CHECKPOINTS),
+                        default=",".join(DEFAULT_CHECKPOINTS),
                         help=f"comma-separated subset of {', '.join(CHECKPOINTS)}")
     parser.add_argument("--tools",
                         default="zero_to_fp32,ds_to_universal",
@@ -633,6 +687,8 @@ def main():
     parser.add_argument("--no_weights_only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no_fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--load-world-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--load-universal", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--log", help=argparse.SUPPRESS)
@@ -642,7 +698,12 @@ def main():
         create_worker(args.create, args.scale, args.save_dir)
         return
     if args.load:
-        load_worker(args.load, args.scale, args.save_dir, weights_only=not args.no_weights_only)
+        load_worker(args.load,
+                    args.scale,
+                    args.save_dir,
+                    weights_only=not args.no_weights_only,
+                    world_size=args.load_world_size,
+                    load_universal=args.load_universal)
         return
     if args.save:
         save_worker(args.save, args.scale, args.save_dir, fsync=not args.no_fsync)
@@ -754,6 +815,8 @@ def main():
             entry["page_cache_resident"].append(warm(checkpoint_dir))
             return run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, repeat)
 
+        if "load_universal" in tools:
+            ensure_universal(checkpoint_dir, built["fork"], ext_dir)
         cp_runs = [timed("cp -r", "-", None, False, r) for r in range(args.repeats)]
         cp = summarize(cp_runs)
         if "error" in cp:

@@ -3,15 +3,19 @@
 
 # DeepSpeed Team
 """Train a small Llama with the Hugging Face Trainer and a ZeRO DeepSpeed config, saving a
-checkpoint every ``--save_steps`` steps; ``--resume_from_checkpoint`` resumes from one.
-
-The workflow in docs/resume-other-world-size.md: train on 2 ranks, convert the checkpoint with
-ds_to_universal, resume on 1 rank with ``--load_universal``:
+checkpoint every ``--save_steps`` steps; ``--resume_from_checkpoint`` resumes from one, on any
+number of ranks (docs/resume-other-world-size.md): train on 2 ranks, resume on 1:
 
     deepspeed --num_accelerators 2 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 2
-    python -m deepspeed.checkpoint.ds_to_universal --input_folder out/checkpoint-2/global_step2 \\
+    deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \
+        --resume_from_checkpoint out/checkpoint-2
+
+``--load_universal`` resumes from the checkpoint converted by ds_to_universal instead (the offline
+path, for what a load cannot reshard):
+
+    python -m deepspeed.checkpoint.ds_to_universal --input_folder out/checkpoint-2/global_step2 \
         --output_folder out/checkpoint-2/global_step2_universal
-    deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \\
+    deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \
         --resume_from_checkpoint out/checkpoint-2 --load_universal
 
 With ``--check_resumed_weights`` the resumed run checks, before its first step, that its weights

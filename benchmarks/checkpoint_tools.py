@@ -43,7 +43,9 @@ and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--
 Per run: wall time of the command (process start to exit, interpreter start and imports included);
 peak RSS of its largest process (``getrusage(RUSAGE_CHILDREN).ru_maxrss`` in a wrapper process)
 and the peak proportional set size of the whole process tree (PSS summed over the tool and its
-worker processes, sampled every 50 ms; unlike summed RSS it counts pages the workers share once);
+worker processes, sampled every 50 ms; unlike summed RSS it counts pages the workers share once),
+and in brackets that of its anonymous memory alone (without the pages of memory-mapped checkpoint
+files, which are page cache the kernel reclaims when memory runs short);
 peak extra disk (allocated blocks under a fresh scratch folder that holds the output folder and
 is the tool's TMPDIR, sampled every 50 ms; any temp folder a tool makes in or beside its output
 is counted); and the size of the output. The numbers are the medians of ``--repeats`` runs; the
@@ -446,20 +448,23 @@ def process_tree(root_pid):
 
 
 def pss_bytes(pid):
+    """The proportional set size of ``pid``, all of it and its anonymous memory alone (without the
+    pages of memory-mapped files, which the kernel reclaims when memory runs short)."""
+    pss = {"Pss:": 0, "Pss_Anon:": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                if line.split()[0] in pss:
+                    pss[line.split()[0]] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return pss["Pss:"], pss["Pss_Anon:"]
 
 
 def measure(cmd, scratch, log_file):
     """Run ``cmd`` (the --measure wrapper side): time, peak tree PSS, peak disk under ``scratch``."""
     env = dict(os.environ, TMPDIR=str(scratch))
-    peak = {"pss": 0, "disk": 0}
+    peak = {"pss": 0, "pss_anon": 0, "disk": 0}
     statvfs = os.statvfs(scratch)
     free_before = statvfs.f_bavail * statvfs.f_frsize
     min_free = free_before
@@ -468,7 +473,9 @@ def measure(cmd, scratch, log_file):
     def sample(pid):
         nonlocal min_free
         while not done.is_set():
-            peak["pss"] = max(peak["pss"], sum(pss_bytes(p) for p in process_tree(pid)))
+            tree = [pss_bytes(p) for p in process_tree(pid)]
+            peak["pss"] = max(peak["pss"], sum(pss for pss, _ in tree))
+            peak["pss_anon"] = max(peak["pss_anon"], sum(anon for _, anon in tree))
             peak["disk"] = max(peak["disk"], du(scratch))
             st = os.statvfs(scratch)
             min_free = min(min_free, st.f_bavail * st.f_frsize)
@@ -489,6 +496,7 @@ def measure(cmd, scratch, log_file):
         "seconds": elapsed,
         "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         "peak_pss": peak["pss"],
+        "peak_pss_anon": peak["pss_anon"],
         "peak_disk": peak["disk"],
         "df_delta": free_before - min_free,
     }
@@ -634,6 +642,7 @@ def summarize(runs):
         "seconds_all": [run["seconds"] for run in ok],
         "maxrss": median_of(ok, "maxrss"),
         "peak_pss": median_of(ok, "peak_pss"),
+        "peak_pss_anon": median_of(ok, "peak_pss_anon"),
         "peak_disk": median_of(ok, "peak_disk"),
         "output_bytes": median_of(ok, "output_bytes"),
         "inject_missing_state": ok[0]["inject_missing_state"],
@@ -649,7 +658,8 @@ def table_row(kind, meta, tool, variant, summary, cp_seconds):
         return f"{head} exits with {summary['returncode']}: `{summary['error']}` | | | | | |"
     spread = ", ".join(f"{s:.1f}" for s in summary["seconds_all"])
     return (f"{head} {summary['seconds']:.2f} ({spread}) | {summary['seconds'] / cp_seconds:.1f}x | "
-            f"{gb(summary['maxrss']):.2f} | {gb(summary['peak_pss']):.2f} | {gb(summary['peak_disk']):.2f} | "
+            f"{gb(summary['maxrss']):.2f} | {gb(summary['peak_pss']):.2f} ({gb(summary['peak_pss_anon']):.2f}) | "
+            f"{gb(summary['peak_disk']):.2f} | "
             f"{gb(summary['output_bytes']):.2f} |")
 
 
@@ -799,7 +809,7 @@ def main():
             flush=True)
 
     print("\n| checkpoint | tool | variant | time s: median (runs) | x cp -r | peak RSS GB, largest process "
-          "| peak PSS GB, process tree | peak extra disk GB | output GB |")
+          "| peak PSS GB, process tree (anonymous) | peak extra disk GB | output GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         meta = metas[kind]

@@ -4,13 +4,18 @@
 # DeepSpeed Team
 """Shared pieces of the AutoTP x ZeRO checkpoint tests: a small ``transformers`` Llama built from a
 config, a DeepSpeed config with AutoTP, the data every topology sees, and a single-process
-reference trained with the same seed and data.
+reference trained with the same seed and data, and the subprocess that saves a test's source
+checkpoint when the test is selected without the test that saves it.
 
 Every test trains the same model on the same global batches: each data-parallel rank takes its
 slice of the global batch (the ranks of one tensor-parallel group take the same slice), so after
 ``steps`` steps every topology holds the weights that one process training on the whole batch
 holds, up to the rounding of the different reduction order.
 """
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -132,3 +137,17 @@ def train_reference(steps, uneven=False):
         optimizer.zero_grad()
         losses.append(loss.item())
     return model, losses
+
+
+def run_source_test(request, node, cache_env, cache, done_file):
+    """Run the test ``node`` of this test's file (one that saves a source checkpoint into the session's
+    ``cache``) in a pytest subprocess, for a test selected without it; ``done_file`` is what it writes
+    last."""
+    test_id = f"{request.node.path}::{node}"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
+                          cwd=str(request.config.invocation_params.dir),
+                          env=dict(os.environ, **{cache_env: cache}),
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+    assert proc.returncode == 0 and os.path.isfile(done_file), proc.stdout

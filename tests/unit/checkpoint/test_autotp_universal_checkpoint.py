@@ -20,8 +20,6 @@ ZeRO-1/2 checkpoint converts only with ``--inject_missing_state``.
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,7 +29,7 @@ from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils import groups
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import initialize, train_engine, train_reference
+from unit.checkpoint.autotp_common import initialize, run_source_test, train_engine, train_reference
 
 # (tp, dp) of each layout.
 TOPOLOGIES = {"tp1dp2": (1, 2), "tp2dp1": (2, 1), "tp2dp2": (2, 2)}
@@ -115,15 +113,8 @@ def universal_source(request, ucp_cache):
     if os.path.isfile(os.path.join(folder, "done.json")):
         return folder
     method = "test_ws4" if source in SOURCES_WS4 else "test_ws2"
-    node = f"{request.node.path}::TestSaveAndConvert::{method}[{source}]"
-    env = dict(os.environ, **{CACHE_ENV: cache})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
-                          cwd=str(request.config.invocation_params.dir),
-                          env=env,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT,
-                          text=True)
-    assert proc.returncode == 0 and os.path.isfile(os.path.join(folder, "done.json")), proc.stdout
+    run_source_test(request, f"TestSaveAndConvert::{method}[{source}]", CACHE_ENV, cache,
+                    os.path.join(folder, "done.json"))
     return folder
 
 

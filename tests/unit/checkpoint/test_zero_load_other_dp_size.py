@@ -26,8 +26,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,7 +38,7 @@ from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_opti
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import build_model, ds_config, train_engine
+from unit.checkpoint.autotp_common import build_model, ds_config, run_source_test, train_engine
 
 SAVE_STEPS = 2
 RESUME_STEPS = 2
@@ -125,14 +123,7 @@ def saved(request, cache):
     folder = os.path.join(cache, source)
     if not os.path.isfile(os.path.join(folder, "done.json")):
         method = "test_ws1" if source in SOURCES_WS1 else "test_ws2"
-        node = f"{request.node.path}::TestSave::{method}[{source}]"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
-                              cwd=str(request.config.invocation_params.dir),
-                              env=dict(os.environ, **{CACHE_ENV: cache}),
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True)
-        assert proc.returncode == 0 and os.path.isfile(os.path.join(folder, "done.json")), proc.stdout
+        run_source_test(request, f"TestSave::{method}[{source}]", CACHE_ENV, cache, os.path.join(folder, "done.json"))
     return folder
 
 

@@ -9,7 +9,7 @@ Adam's moments and step counts are the saved ones, the LR scheduler and client s
 and the next steps' losses are those of the run that saved the checkpoint and went on training
 uninterrupted on the same global batches (a resume, not a restart). Covered: data-parallel sizes
 2 -> 1 and 1 -> 2 at every stage, 2 -> 1 with the BF16 optimizer (bf16 ZeRO-1), and AutoTP
-checkpoints (tp2, dp1 -> dp2) at ZeRO-2 and -3.
+checkpoints (tp2, dp1 -> dp2) at ZeRO-2 and -3, each model with a zero-element parameter.
 
 What cannot be resharded is refused before anything is loaded: a checkpoint of another
 tensor-parallel size, and one whose optimizer files lack the fragment metadata.
@@ -46,6 +46,7 @@ TAG = "step2"
 CLIENT_STATE = {"epoch": 3}
 CACHE_ENV = "DS_TEST_ZERO_OTHER_DP_CACHE"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+PLACEHOLDER = "model.norm.weight_scale"
 
 # Each source checkpoint: stage, tp, dp, dtype. At bf16 with fp32 gradient accumulation ZeRO-1 runs
 # the BF16 optimizer.
@@ -64,6 +65,8 @@ def initialize(stage, tp_size, dtype=torch.float32):
     # A schedule that is still warming up: a scheduler not restored changes the next steps' losses.
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}
     model = build_model(dtype=dtype)
+    # A zero-element parameter, as quantization libraries register for placeholders.
+    model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine
 
@@ -73,6 +76,8 @@ def optimizer_states(engine):
     (this rank's tensor-parallel shard of them), and the step counts of the optimizer."""
     states = {}
     for name, param in engine.module.named_parameters():
+        if getattr(param, "ds_numel", param.numel()) == 0:
+            continue  # nothing to optimize, no optimizer state
         states[name] = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
         for key in MOMENTS:
             states[name][key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
@@ -167,6 +172,7 @@ def load_and_train(folder, source, dp_size):
         else:
             # zero_to_fp32 does not read the BF16 optimizer's checkpoints: the saved fp32 weights.
             expected = {name: param_states["fp32"] for name, param_states in saved["states"].items()}
+            expected[PLACEHOLDER] = torch.zeros(0)
         assert sorted(weights) == sorted(expected)
         for name, value in expected.items():
             # The module holds the fp32 master weights rounded to its dtype.

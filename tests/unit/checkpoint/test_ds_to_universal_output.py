@@ -194,10 +194,12 @@ class TestDsToUniversalOutput(DistributedTest):
                     assert f.read() == "mine"
             assert_same(universal_files(interrupted), files)
 
-            # A file of the user's added to a converted folder makes it one the conversion did not write.
+            # A file of the user's added to a converted folder keeps the conversion from replacing it,
+            # and the refusal names that file.
             with open(os.path.join(interrupted, "notes.txt"), "w") as f:
                 f.write("mine")
-            with pytest.raises(FileExistsError, match="step2_universal, which ds_to_universal did not write"):
+            added = "step2_universal/notes.txt, which ds_to_universal did not write"
+            with pytest.raises(FileExistsError, match=added):
                 convert_to_universal(convert_args(checkpoint, interrupted))
             os.remove(os.path.join(interrupted, "notes.txt"))
             assert_same(universal_files(interrupted), files)

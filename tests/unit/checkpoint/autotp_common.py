@@ -50,6 +50,23 @@ def build_model(uneven=False, dtype=torch.float32):
     return LlamaForCausalLM(llama_config(uneven)).to(dtype)
 
 
+def trainer_param_groups(model, no_decay_lr=None):
+    """The optimizer parameter groups the Hugging Face Trainer builds: weight decay on matrices, none
+    on norm weights and biases; ``no_decay_lr`` gives the second group a learning rate of its own."""
+    no_decay = {"params": [param for param in model.parameters() if param.dim() < 2], "weight_decay": 0.0}
+    if no_decay_lr is not None:
+        no_decay["lr"] = no_decay_lr
+    return [{"params": [param for param in model.parameters() if param.dim() >= 2], "weight_decay": 0.1}, no_decay]
+
+
+def param_group_hyperparameters(engine):
+    """Each optimizer parameter group's hyperparameters (all but its parameters)."""
+    return [{
+        key: value
+        for key, value in group.items() if key != "params"
+    } for group in engine.optimizer.optimizer.param_groups]
+
+
 def ds_config(stage, tp_size, dtype=torch.float32, load_universal=False):
     config = {
         "train_batch_size": GLOBAL_BATCH,

@@ -6,10 +6,12 @@
 loads it as it is, with its optimizer states: no ``ds_to_universal``, no config change. Right after
 the load the weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 master weights,
 Adam's moments and step counts are the saved ones, the LR scheduler and client state are restored,
-and the next steps' losses are those of the run that saved the checkpoint and went on training
-uninterrupted on the same global batches (a resume, not a restart). Covered: data-parallel sizes
-2 -> 1 and 1 -> 2 at every stage, 2 -> 1 with the BF16 optimizer (bf16 ZeRO-1), and AutoTP
-checkpoints (tp2, dp1 -> dp2) at ZeRO-2 and -3, each model with a zero-element parameter.
+each of the optimizer's two parameter groups (the Hugging Face Trainer's: weight decay on matrices,
+none on norm weights) keeps its own hyperparameters, and the next steps' losses are those of the
+run that saved the checkpoint and went on training uninterrupted on the same global batches (a
+resume, not a restart). Covered: data-parallel sizes 2 -> 1 and 1 -> 2 at every stage, 2 -> 1 with
+the BF16 optimizer (bf16 ZeRO-1), and AutoTP checkpoints (tp2, dp1 -> dp2) at ZeRO-2 and -3, each
+model with a zero-element parameter.
 
 What cannot be resharded is refused before anything is loaded: a checkpoint of another
 tensor-parallel size, and one whose optimizer files lack the fragment metadata.
@@ -38,7 +40,8 @@ from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_opti
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import build_model, ds_config, run_source_test, train_engine
+from unit.checkpoint.autotp_common import (build_model, ds_config, param_group_hyperparameters, run_source_test,
+                                           train_engine, trainer_param_groups)
 
 SAVE_STEPS = 2
 RESUME_STEPS = 2
@@ -63,11 +66,19 @@ def initialize(stage, tp_size, dtype=torch.float32):
     if dtype == torch.bfloat16:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     # A schedule that is still warming up: a scheduler not restored changes the next steps' losses.
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}
+    # Its peak learning rate is the group's own.
+    config["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_num_steps": 10,
+            "warmup_type": "linear",
+            "warmup_max_lr": [1e-3, 5e-4]
+        }
+    }
     model = build_model(dtype=dtype)
     # A zero-element parameter, as quantization libraries register for placeholders.
     model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=trainer_param_groups(model))
     return engine
 
 
@@ -104,9 +115,14 @@ def save(cache, source):
     train_engine(engine, tp_size, SAVE_STEPS)
     engine.save_checkpoint(folder, tag=TAG, client_state=CLIENT_STATE)
     states, steps = optimizer_states(engine)
+    groups_saved = param_group_hyperparameters(engine)
     losses = train_engine(engine, tp_size, RESUME_STEPS, first_step=SAVE_STEPS)
     if dist.get_rank() < tp_size:
-        torch.save({"states": states, "steps": steps}, os.path.join(folder, f"states_tp{dist.get_rank()}.pt"))
+        torch.save({
+            "states": states,
+            "steps": steps,
+            "param_groups": groups_saved
+        }, os.path.join(folder, f"states_tp{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "done.json"), "w") as f:
@@ -160,6 +176,10 @@ def load_and_train(folder, source, dp_size):
     saved = torch.load(os.path.join(folder, f"states_tp{tp_rank}.pt"))
     states, steps = optimizer_states(engine)
     assert steps == saved["steps"] == {float(SAVE_STEPS)}
+    # Each group's own: weight decay on the matrices only, each group's learning rate.
+    assert param_group_hyperparameters(engine) == saved["param_groups"]
+    assert [group["weight_decay"] for group in saved["param_groups"]] == [0.1, 0.0]
+    assert saved["param_groups"][0]["lr"] == 2 * saved["param_groups"][1]["lr"] > 0
     assert sorted(states) == sorted(saved["states"])
     for name, param_states in states.items():
         for key, value in param_states.items():

@@ -18,8 +18,12 @@ path, for what a load cannot reshard):
     deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \
         --resume_from_checkpoint out/checkpoint-2 --load_universal
 
+The DeepSpeed config names no optimizer, so the Trainer builds its own AdamW with two parameter
+groups: ``--weight_decay`` on matrices, none on norm weights and biases.
+
 With ``--check_resumed_weights`` the resumed run checks, before its first step, that its weights
-are those of the checkpoint (as zero_to_fp32 reads them), and prints ``resumed weights match``.
+are those of the checkpoint (as zero_to_fp32 reads them) and that each optimizer parameter group
+has its own weight decay, and prints ``resumed weights match``.
 """
 
 import argparse
@@ -53,11 +57,13 @@ class CheckResumedWeights(transformers.TrainerCallback):
     def __init__(self, checkpoint):
         self.expected = get_fp32_state_dict_from_zero_checkpoint(checkpoint)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         params = dict(model.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             for name, param in params.items():
                 assert torch.equal(param.detach().cpu(), self.expected[name]), name
+        weight_decays = [group["weight_decay"] for group in optimizer.param_groups]
+        assert weight_decays == [args.weight_decay, 0.0], weight_decays
         if dist.get_rank() == 0:
             print("resumed weights match", flush=True)
 
@@ -68,6 +74,7 @@ def main():
     parser.add_argument("--zero_stage", type=int, default=2)
     parser.add_argument("--max_steps", type=int, required=True)
     parser.add_argument("--save_steps", type=int, default=2)
+    parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--resume_from_checkpoint")
     parser.add_argument("--load_universal", action="store_true")
     parser.add_argument("--check_resumed_weights", action="store_true")
@@ -76,13 +83,6 @@ def main():
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": "auto",
-                "torch_adam": True
-            }
-        },
         "zero_optimization": {
             "stage": args.zero_stage
         },
@@ -96,6 +96,7 @@ def main():
                                                    per_device_train_batch_size=2,
                                                    max_steps=args.max_steps,
                                                    learning_rate=1e-2,
+                                                   weight_decay=args.weight_decay,
                                                    save_strategy="steps",
                                                    save_steps=args.save_steps,
                                                    logging_steps=1,

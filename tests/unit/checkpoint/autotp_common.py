@@ -13,6 +13,7 @@ slice of the global batch (the ranks of one tensor-parallel group take the same 
 holds, up to the rounding of the different reduction order.
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -139,12 +140,12 @@ def train_engine(engine, tp_size, steps, uneven=False, first_step=0):
     return losses
 
 
-def train_reference(steps, uneven=False):
+def train_reference(steps, uneven=False, make_optimizer=None):
     """The same model trained in this process alone, on the whole global batches, with torch's Adam
-    (what ``torch_adam: True`` with ``adam_w_mode: False`` runs inside DeepSpeed). Returns the
-    model and its losses."""
+    (what ``torch_adam: True`` with ``adam_w_mode: False`` runs inside DeepSpeed), or the optimizer
+    ``make_optimizer(model)`` builds. Returns the model and its losses."""
     model = build_model(uneven)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = make_optimizer(model) if make_optimizer else torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for batch in global_batches(steps, llama_config(uneven).vocab_size):
         # The mean of the per-rank mean losses: every rank holds the same number of tokens.
@@ -154,6 +155,19 @@ def train_reference(steps, uneven=False):
         optimizer.zero_grad()
         losses.append(loss.item())
     return model, losses
+
+
+def convert_to_universal_checkpoint(input_folder, output_folder):
+    """``ds_to_universal --input_folder input_folder --output_folder output_folder``, in this process."""
+    from deepspeed.checkpoint.ds_to_universal import main
+    main(
+        argparse.Namespace(input_folder=input_folder,
+                           output_folder=output_folder,
+                           num_extract_workers=1,
+                           num_merge_workers=1,
+                           keep_temp_folder=False,
+                           strict=True,
+                           inject_missing_state=False))
 
 
 def run_source_test(request, node, cache_env, cache, done_file):

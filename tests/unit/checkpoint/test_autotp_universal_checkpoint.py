@@ -17,7 +17,6 @@ restore into tp2 fails with ``start (...) + length (...) exceeds dimension size`
 ZeRO-1/2 checkpoint converts only with ``--inject_missing_state``.
 """
 
-import argparse
 import json
 import os
 
@@ -25,11 +24,11 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils import groups
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import initialize, run_source_test, train_engine, train_reference
+from unit.checkpoint.autotp_common import (convert_to_universal_checkpoint, initialize, run_source_test, train_engine,
+                                           train_reference)
 
 # (tp, dp) of each layout.
 TOPOLOGIES = {"tp1dp2": (1, 2), "tp2dp1": (2, 1), "tp2dp2": (2, 2)}
@@ -91,14 +90,7 @@ def save_and_convert(cache, source):
     engine.save_checkpoint(folder, tag=TAG)
     dist.barrier()
     if dist.get_rank() == 0:
-        convert_to_universal(
-            argparse.Namespace(input_folder=os.path.join(folder, TAG),
-                               output_folder=os.path.join(folder, f"{TAG}_universal"),
-                               num_extract_workers=1,
-                               num_merge_workers=1,
-                               keep_temp_folder=False,
-                               strict=True,
-                               inject_missing_state=False))
+        convert_to_universal_checkpoint(os.path.join(folder, TAG), os.path.join(folder, f"{TAG}_universal"))
         with open(os.path.join(folder, "done.json"), "w") as f:
             json.dump({"losses": losses}, f)
     dist.barrier()

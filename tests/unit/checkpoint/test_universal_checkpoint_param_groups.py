@@ -12,7 +12,6 @@ On deepspeed 0.19.8 the ZeRO-3 universal loader gives every group the hyperparam
 one: the norm weights are decayed from then on, at the matrices' learning rate.
 """
 
-import argparse
 import os
 
 import pytest
@@ -20,12 +19,11 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils import groups
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import (LR, build_model, ds_config, param_group_hyperparameters, train_engine,
-                                           trainer_param_groups)
+from unit.checkpoint.autotp_common import (LR, build_model, convert_to_universal_checkpoint, ds_config,
+                                           param_group_hyperparameters, train_engine, trainer_param_groups)
 
 SAVE_STEPS = 2
 RESUME_STEPS = 2
@@ -57,14 +55,7 @@ class TestUniversalCheckpointParamGroups(DistributedTest):
         uninterrupted = train_engine(engine, 1, RESUME_STEPS, first_step=SAVE_STEPS)
         engine.destroy()
         if dist.get_rank() == 0:
-            convert_to_universal(
-                argparse.Namespace(input_folder=os.path.join(folder, TAG),
-                                   output_folder=os.path.join(folder, f"{TAG}_universal"),
-                                   num_extract_workers=1,
-                                   num_merge_workers=1,
-                                   keep_temp_folder=False,
-                                   strict=True,
-                                   inject_missing_state=False))
+            convert_to_universal_checkpoint(os.path.join(folder, TAG), os.path.join(folder, f"{TAG}_universal"))
         dist.barrier()
 
         engine = initialize(stage, dtype, load_universal=True)

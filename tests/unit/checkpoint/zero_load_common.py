@@ -1,0 +1,214 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Shared pieces of the tests that resume a ZeRO checkpoint on another topology: a source checkpoint
+is a small Llama trained with the Hugging Face Trainer's two parameter groups and a zero-element
+placeholder, saved with what the run that went on uninterrupted did next (its optimizer states,
+its groups' hyperparameters, its next losses); a load test resumes it and checks that it continues
+that run.
+
+Each test file names its source checkpoints in ``SOURCES`` (name: stage, tp, dp, dtype, optimizer)
+and saves each one by a test of its own, ``TestSave::test_ws1`` or ``TestSave::test_ws2`` (by the
+world size it is saved at), into a cache shared by the session; a load test selected without its
+source test (``-k``, another order) runs that source test first in a pytest subprocess.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from unit.checkpoint.autotp_common import (LR, build_model, ds_config, param_group_hyperparameters, run_source_test,
+                                           train_engine, trainer_param_groups)
+
+SAVE_STEPS = 2
+RESUME_STEPS = 2
+TAG = "step2"
+UNIVERSAL_TAG = "step2_universal"
+CLIENT_STATE = {"epoch": 3}
+CACHE_ENV = "DS_TEST_ZERO_OTHER_DP_CACHE"
+# The states each optimizer keeps per element, by its own names. ASGD also keeps scalars that are
+# not a step count ("eta", "mu"), which a load at another data-parallel size does not restore.
+OPTIMIZER_STATES = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer", ),
+    "adagrad": ("sum", ),
+    "asgd": ("ax", )
+}
+PLACEHOLDER = "model.norm.weight_scale"
+
+
+def client_optimizer(name, param_groups):
+    """``name``'s torch optimizer, as a training script builds it and hands it to deepspeed.initialize."""
+    if name == "sgd":
+        return torch.optim.SGD(param_groups, lr=LR, momentum=0.9)
+    if name == "adagrad":
+        return torch.optim.Adagrad(param_groups, lr=LR)
+    return torch.optim.ASGD(param_groups, lr=LR)
+
+
+def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_universal=False, uneven=False):
+    groups._release_process_group_references(None)
+    config = ds_config(stage, tp_size, dtype=dtype, load_universal=load_universal)
+    if dtype == torch.bfloat16:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    # A schedule that is still warming up: a scheduler not restored changes the next steps' losses.
+    # Its peak learning rate is the group's own.
+    config["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_num_steps": 10,
+            "warmup_type": "linear",
+            "warmup_max_lr": [1e-3, 5e-4]
+        }
+    }
+    model = build_model(uneven=uneven, dtype=dtype)
+    # A zero-element parameter, as quantization libraries register for placeholders.
+    model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
+    if optimizer == "adam":
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               config=config,
+                                               model_parameters=trainer_param_groups(model))
+    else:
+        del config["optimizer"]
+        config["zero_allow_untested_optimizer"] = True
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               config=config,
+                                               optimizer=client_optimizer(optimizer, trainer_param_groups(model)))
+    return engine
+
+
+def optimizer_states(engine, optimizer):
+    """Every parameter's fp32 weights and Adam moments, gathered across the data-parallel ranks
+    (this rank's tensor-parallel shard of them), and the step counts of the optimizer."""
+    states = {}
+    for name, param in engine.module.named_parameters():
+        if getattr(param, "ds_numel", param.numel()) == 0:
+            continue  # nothing to optimize, no optimizer state
+        states[name] = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
+        for key in OPTIMIZER_STATES[optimizer]:
+            states[name][key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+    steps = {float(state["step"]) for state in engine.optimizer.optimizer.state.values() if "step" in state}
+    return states, steps
+
+
+def full_weights(engine, stage, tp_size):
+    """The module's whole weights (tensor-parallel shards merged) on rank 0, None elsewhere."""
+    if stage == 3 or tp_size > 1:
+        state_dict = engine._consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module.state_dict() if dist.get_rank() == 0 else None
+    return None if state_dict is None else {name: value.detach().float().cpu() for name, value in state_dict.items()}
+
+
+def save(cache, source, spec):
+    """Train SAVE_STEPS steps and save; record the gathered optimizer states, then go on training
+    uninterrupted for RESUME_STEPS steps and record their losses."""
+    stage, tp_size, dp_size, dtype, optimizer = spec
+    assert dist.get_world_size() == tp_size * dp_size
+    folder = os.path.join(cache, source)
+    engine = initialize(stage, tp_size, dtype, optimizer)
+    train_engine(engine, tp_size, SAVE_STEPS)
+    engine.save_checkpoint(folder, tag=TAG, client_state=CLIENT_STATE)
+    states, steps = optimizer_states(engine, optimizer)
+    groups_saved = param_group_hyperparameters(engine)
+    losses = train_engine(engine, tp_size, RESUME_STEPS, first_step=SAVE_STEPS)
+    if dist.get_rank() < tp_size:
+        torch.save({
+            "states": states,
+            "steps": steps,
+            "param_groups": groups_saved
+        }, os.path.join(folder, f"states_tp{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "done.json"), "w") as f:
+            json.dump({"losses": losses}, f)
+    dist.barrier()
+    engine.destroy()
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return os.environ.get(CACHE_ENV) or str(tmp_path_factory.mktemp("zero_other_dp"))
+
+
+@pytest.fixture
+def saved(request, cache):
+    """The folder of the test's source checkpoint, saved first in a pytest subprocess if this
+    session has not saved it (the load test was selected alone)."""
+    source = request.getfixturevalue("source")
+    folder = os.path.join(cache, source)
+    if not os.path.isfile(os.path.join(folder, "done.json")):
+        _, tp_size, dp_size, _, _ = request.module.SOURCES[source]
+        method = "test_ws1" if tp_size * dp_size == 1 else "test_ws2"
+        run_source_test(request, f"TestSave::{method}[{source}]", CACHE_ENV, cache, os.path.join(folder, "done.json"))
+    return folder
+
+
+def load_and_train(folder, spec, dp_size, universal_dir=None):
+    """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size``, or with
+    ``load_universal`` its conversion in ``universal_dir``, and check the resume."""
+    stage, tp_size, saved_dp_size, dtype, optimizer = spec
+    assert dist.get_world_size() == tp_size * dp_size and (dp_size != saved_dp_size or universal_dir)
+    engine = initialize(stage, tp_size, dtype, optimizer, load_universal=universal_dir is not None)
+    if universal_dir is None:
+        load_path, client_state = engine.load_checkpoint(folder, tag=TAG)
+    else:
+        load_path, client_state = engine.load_checkpoint(universal_dir, tag=UNIVERSAL_TAG)
+    assert load_path is not None
+    assert client_state["epoch"] == CLIENT_STATE["epoch"]
+    assert engine.global_steps == SAVE_STEPS
+    assert engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1
+
+    tp_rank = groups.get_tensor_model_parallel_rank() if tp_size > 1 else 0
+    saved = torch.load(os.path.join(folder, f"states_tp{tp_rank}.pt"))
+    states, steps = optimizer_states(engine, optimizer)
+    # SGD counts no steps.
+    assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)})
+    # Each group's own: weight decay on the matrices only, each group's learning rate.
+    assert param_group_hyperparameters(engine) == saved["param_groups"]
+    assert [group["weight_decay"] for group in saved["param_groups"]] == [0.1, 0.0]
+    assert saved["param_groups"][0]["lr"] == 2 * saved["param_groups"][1]["lr"] > 0
+    assert sorted(states) == sorted(saved["states"])
+    for name, param_states in states.items():
+        for key, value in param_states.items():
+            assert torch.equal(value, saved["states"][name][key]), f"{name} {key}"
+
+    weights = full_weights(engine, stage, tp_size)
+    if dist.get_rank() == 0:
+        if dtype == torch.float32:
+            expected = get_fp32_state_dict_from_zero_checkpoint(folder, tag=TAG)
+        else:
+            # zero_to_fp32 does not read the BF16 optimizer's checkpoints: the saved fp32 weights.
+            expected = {name: param_states["fp32"] for name, param_states in saved["states"].items()}
+            expected[PLACEHOLDER] = torch.zeros(0)
+        assert sorted(weights) == sorted(expected)
+        for name, value in expected.items():
+            # The module holds the fp32 master weights rounded to its dtype.
+            assert torch.equal(weights[name], value.to(dtype).float()), name
+    dist.barrier()
+
+    losses = train_engine(engine, tp_size, RESUME_STEPS, first_step=SAVE_STEPS)
+    with open(os.path.join(folder, "done.json")) as f:
+        uninterrupted = json.load(f)["losses"]
+    # bf16 forwards of other micro-batch sizes round differently.
+    assert losses == pytest.approx(uninterrupted, rel=1e-5 if dtype == torch.float32 else 1e-2)
+    engine.destroy()
+
+
+def assert_refused(engine, folder, match):
+    """The load raises on every rank before anything is loaded: the weights are those of the
+    freshly initialized engine."""
+    before = [param.detach().clone() for param in engine.module.parameters()]
+    with pytest.raises(ZeRORuntimeException, match=match):
+        engine.load_checkpoint(folder, tag=TAG)
+    assert all(torch.equal(param, value) for param, value in zip(engine.module.parameters(), before))
+    assert engine.global_steps == 0

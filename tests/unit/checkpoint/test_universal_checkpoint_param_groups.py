@@ -6,7 +6,8 @@
 is trained with the two groups the Hugging Face Trainer builds (weight decay on matrices, none on
 norm weights), the second one with a lower learning rate, saved, converted with ``ds_to_universal``
 and restored with ``load_universal``: every group holds the hyperparameters it was saved with, and
-the next steps' losses are those of the run that went on uninterrupted.
+the next steps' losses are those of the run that went on uninterrupted, as after a load of the
+checkpoint itself at the same size.
 
 On deepspeed 0.19.8 the ZeRO-3 universal loader gives every group the hyperparameters of the first
 one: the norm weights are decayed from then on, at the matrices' learning rate.
@@ -58,12 +59,14 @@ class TestUniversalCheckpointParamGroups(DistributedTest):
             convert_to_universal_checkpoint(os.path.join(folder, TAG), os.path.join(folder, f"{TAG}_universal"))
         dist.barrier()
 
-        engine = initialize(stage, dtype, load_universal=True)
-        engine.load_checkpoint(folder, tag=f"{TAG}_universal")
-        assert param_group_hyperparameters(engine) == saved
-        losses = train_engine(engine, 1, RESUME_STEPS, first_step=SAVE_STEPS)
-        assert losses == pytest.approx(uninterrupted, rel=1e-5 if dtype == torch.float32 else 1e-2)
-        engine.destroy()
+        # The universal checkpoint, and the checkpoint itself as a load at the same size reads it.
+        for load_universal, tag in ((True, f"{TAG}_universal"), (False, TAG)):
+            engine = initialize(stage, dtype, load_universal=load_universal)
+            engine.load_checkpoint(folder, tag=tag)
+            assert param_group_hyperparameters(engine) == saved
+            losses = train_engine(engine, 1, RESUME_STEPS, first_step=SAVE_STEPS)
+            assert losses == pytest.approx(uninterrupted, rel=1e-5 if dtype == torch.float32 else 1e-2)
+            engine.destroy()
 
         # An optimizer whose groups are not the saved ones is refused, not loaded into the first groups.
         engine = initialize(stage, dtype, load_universal=True, one_group=True)

@@ -87,8 +87,9 @@ def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_unive
 
 
 def optimizer_states(engine, optimizer):
-    """Every parameter's fp32 weights and Adam moments, gathered across the data-parallel ranks
-    (this rank's tensor-parallel shard of them), and the step counts of the optimizer."""
+    """Every parameter's fp32 weights and the states ``optimizer`` keeps per element, gathered across
+    the data-parallel ranks (this rank's tensor-parallel shard of them), and the optimizer's step
+    counts."""
     states = {}
     for name, param in engine.module.named_parameters():
         if getattr(param, "ds_numel", param.numel()) == 0:

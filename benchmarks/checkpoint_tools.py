@@ -17,7 +17,9 @@ and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--
 ``fork-trusting``: the fork with its weights_only check off, ``--no_weights_only`` or
 ``"checkpoint": {"weights_only": false}``, which loads as the fork did before the check; and
 ``fork-no-fsync``: the fork without flushing what it writes to disk, ``--no_fsync`` or
-``"checkpoint": {"fsync": false}``), as a user runs them:
+``"checkpoint": {"fsync": false}``; ``fork-unverified``: the fork without verifying the CRC-32s of
+the files it reads, ``--no_verify_crc32`` or ``"checkpoint": {"verify_crc32": false}``), as a user
+runs them:
 
 * ``zero_to_fp32``: ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`` with the script of the
   variant (the one it saves into every checkpoint) and its default options;
@@ -37,6 +39,9 @@ and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--
 * ``save_checkpoint`` (``--tools save_checkpoint``): a training job of the checkpoint's topology
   that trains one step and saves with ``engine.save_checkpoint(OUTPUT_DIR)``; the time is that of
   ``save_checkpoint`` alone (slowest rank);
+* ``ds_verify_checkpoint`` (``--tools ds_verify_checkpoint``, the fork only): ``python -m
+  deepspeed.checkpoint.verify_checkpoint CHECKPOINT_DIR``, which checks every file of every tag
+  and the CRC-32 of every record;
 * ``cp -r`` of the checkpoint folder, the floor; and ``python -c 'import deepspeed'`` alone, what
   every run of a tool pays before it reads a byte.
 
@@ -87,13 +92,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_universal", "save_checkpoint")
+TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_universal", "save_checkpoint",
+         "ds_verify_checkpoint")
 LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_universal")
 # fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
 # ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
 # fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
-VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync")
-VARIANT_FLAGS = {"fork-trusting": ["--no_weights_only"], "fork-no-fsync": ["--no_fsync"]}
+# fork-unverified: the fork without its CRC-32 check (``--no_verify_crc32``, ``"checkpoint": {"verify_crc32": false}``).
+VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync", "fork-unverified")
+VARIANT_FLAGS = {
+    "fork-trusting": ["--no_weights_only"],
+    "fork-no-fsync": ["--no_fsync"],
+    "fork-unverified": ["--no_verify_crc32"]
+}
 DEFAULT_VARIANTS = ("upstream", "fork")
 SEQ_LEN = 16
 SAMPLE_S = 0.05
@@ -282,12 +293,14 @@ def create_worker(kind, scale, save_dir):
     dist.destroy_process_group()
 
 
-def load_worker(kind, scale, save_dir, weights_only, world_size=None, load_universal=False):
+def load_worker(kind, scale, save_dir, weights_only, world_size=None, load_universal=False, verify_crc32=True):
     """One rank of a training job that resumes from the checkpoint ``kind`` (at its world size unless
     ``world_size``); prints the wall time of ``load_checkpoint`` alone, the slowest rank's."""
     checkpoint_config = {}
     if not weights_only:
         checkpoint_config["weights_only"] = False
+    if not verify_crc32:
+        checkpoint_config["verify_crc32"] = False
     if load_universal:
         checkpoint_config["load_universal"] = True
     engine, _ = build_engine(kind, scale, checkpoint_config, world_size)
@@ -526,6 +539,8 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
         return [sys.executable, "-c", "import deepspeed"]
     if tool == "cp -r":
         return ["cp", "-r", str(checkpoint_dir), str(output_dir)]
+    if tool == "ds_verify_checkpoint":
+        return [sys.executable, "-m", "deepspeed.checkpoint.verify_checkpoint", str(checkpoint_dir)] + list(flags)
     flags = list(flags)
     if tool == "zero_to_fp32":
         return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + flags
@@ -696,6 +711,7 @@ def main():
     parser.add_argument("--save", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
     parser.add_argument("--no_weights_only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no_fsync", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no_verify_crc32", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--load-world-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--load-universal", action="store_true", help=argparse.SUPPRESS)
@@ -713,7 +729,8 @@ def main():
                     args.save_dir,
                     weights_only=not args.no_weights_only,
                     world_size=args.load_world_size,
-                    load_universal=args.load_universal)
+                    load_universal=args.load_universal,
+                    verify_crc32=not args.no_verify_crc32)
         return
     if args.save:
         save_worker(args.save, args.scale, args.save_dir, fsync=not args.no_fsync)
@@ -756,7 +773,8 @@ def main():
     descriptions = {snapshots[tree]: f"{text} (snapshot: {snapshots[tree]})" for tree, text in descriptions.items()}
     trees = {tool: {"upstream": built["upstream"], "fork": fork_trees.get(tool, built["fork"])} for tool in TOOLS}
     for tool in TOOLS:
-        trees[tool]["fork-trusting"] = trees[tool]["fork-no-fsync"] = trees[tool]["fork"]
+        for variant in VARIANT_FLAGS:
+            trees[tool][variant] = trees[tool]["fork"]
     head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h"], stdout=subprocess.PIPE,
                           text=True).stdout.strip()
     built_description = {
@@ -765,6 +783,7 @@ def main():
     }
     built_description["fork-trusting"] = built_description["fork"] + ", weights_only off"
     built_description["fork-no-fsync"] = built_description["fork"] + ", fsync off"
+    built_description["fork-unverified"] = built_description["fork"] + ", CRC-32 check off"
 
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -834,10 +853,12 @@ def main():
         entry["tools"]["cp -r"] = {"-": dict(cp, all=cp_runs)}
         print(table_row(kind, meta, "cp -r", "-", cp, cp["seconds"]), flush=True)
         for tool in tools:
-            runs = {variant: [] for variant in variants}
-            inject = {variant: False for variant in variants}
+            # The command is the fork's own: upstream has none, and it has no option to compare.
+            tool_variants = [v for v in variants if v == "fork"] if tool == "ds_verify_checkpoint" else variants
+            runs = {variant: [] for variant in tool_variants}
+            inject = {variant: False for variant in tool_variants}
             for repeat in range(args.repeats):
-                for variant in variants:
+                for variant in tool_variants:
                     if runs[variant] and "error" in runs[variant][-1]:
                         continue  # refused: once is enough
                     result = timed(tool, variant, trees[tool][variant], inject[variant], repeat)
@@ -848,7 +869,7 @@ def main():
                         result = timed(tool, variant, trees[tool][variant], True, repeat)
                     runs[variant].append(result)
             entry["tools"][tool] = {}
-            for variant in variants:
+            for variant in tool_variants:
                 summary = summarize(runs[variant])
                 entry["tools"][tool][variant] = dict(summary, all=runs[variant])
                 print(table_row(kind, meta, tool, variant, summary, cp["seconds"]), flush=True)

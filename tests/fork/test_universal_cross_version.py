@@ -62,6 +62,14 @@ def test_universal_format_round_trips_with_upstream(builds, tmp_path):
 def test_checkpoints_of_upstream_resume_and_convert_in_the_fork(builds, tmp_path):
     # Read with weights_only=True: what 0.19.8 pickles into its rank files is admitted.
     run_side(builds["upstream"], "save", tmp_path)
+    # Every record of 0.19.8's files has its CRC-32, which the fork verifies before it reads them.
+    for stage_folder in sorted(tmp_path.glob("stage*")):
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.verify_checkpoint",
+                               str(stage_folder)],
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True)
+        assert proc.returncode == 0 and "step2: OK" in proc.stdout, proc.stdout
     run_side(None, "resume", tmp_path)
     run_side(None, "convert", tmp_path, "fork_universal")
     run_side(None, "load", tmp_path, "fork_universal")

@@ -36,10 +36,10 @@ from deepspeed.utils import logger, safe_get_full_fp32_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.checkpoint import zero_load_common
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
 from unit.checkpoint.test_ds_to_universal_output import convert_args
 from unit.common import DistributedTest
 
-SEQ_LEN = 8
 CRC32_ERROR = "fails its CRC-32 check"
 
 # The fixtures of the source checkpoints that a job of another data-parallel size loads.
@@ -47,42 +47,6 @@ cache = zero_load_common.cache
 saved = zero_load_common.saved
 # Each source checkpoint: stage, tp, dp, dtype, optimizer.
 SOURCES = {f"stage{stage}-tp1dp1": (stage, 1, 1, torch.float32, "adam") for stage in (2, 3)}
-
-
-def initialize(stage, verify_crc32=True):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(42)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=SEQ_LEN))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "steps_per_print": 1000,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage
-        },
-        "checkpoint": {
-            "verify_crc32": verify_crc32
-        },
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    torch.manual_seed(dist.get_rank())
-    input_ids = torch.randint(0, 64, (2, SEQ_LEN), device=engine.device)
-    engine.backward(engine(input_ids=input_ids, labels=input_ids).loss)
-    engine.step()
-    return engine
 
 
 def weights(engine):
@@ -121,6 +85,7 @@ class TestCheckpointCrc32(DistributedTest):
     def test_changed_file_is_refused(self, stage, tmpdir):
         save_dir = str(tmpdir)
         engine = initialize(stage)
+        train_step(engine)
         engine.save_checkpoint(save_dir, tag="saved")
         last = dist.get_world_size() - 1
         model_file = f"zero_pp_rank_{last}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
@@ -187,6 +152,7 @@ class TestCheckpointCrc32Off(DistributedTest):
     def test_verify_crc32_false_loads_a_changed_file(self, tmpdir):
         save_dir = str(tmpdir)
         engine = initialize(2, verify_crc32=False)
+        train_step(engine)
         engine.save_checkpoint(save_dir, tag="saved")
         flip_bit(os.path.join(save_dir, "saved", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
         load_path, _ = engine.load_checkpoint(save_dir, tag="saved")
@@ -195,6 +161,7 @@ class TestCheckpointCrc32Off(DistributedTest):
     def test_file_without_crc32_loads_with_a_warning(self, tmpdir):
         save_dir = str(tmpdir)
         engine = initialize(2)
+        train_step(engine)
         torch.serialization.set_crc32_options(False)
         try:
             engine.save_checkpoint(save_dir, tag="saved")

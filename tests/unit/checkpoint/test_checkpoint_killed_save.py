@@ -115,7 +115,7 @@ def say(line):
     sys.stdout.flush()
 
 
-def initialize(stage, node_local=False, fsync=True):
+def initialize(stage, node_local=False, fsync=True, **checkpoint_config):
     import torch
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -143,7 +143,8 @@ def initialize(stage, node_local=False, fsync=True):
         },
         "checkpoint": {
             "use_node_local_storage": node_local,
-            "fsync": fsync
+            "fsync": fsync,
+            **checkpoint_config
         },
     }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())

@@ -20,7 +20,8 @@ from contextlib import redirect_stdout
 import deepspeed.comm as dist
 from deepspeed.checkpoint.verify_checkpoint import main as verify_checkpoint
 
-from unit.checkpoint.test_checkpoint_crc32 import flip_bit, initialize
+from unit.checkpoint.test_checkpoint_crc32 import flip_bit
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
 from unit.common import DistributedTest
 
 
@@ -38,6 +39,7 @@ class TestVerifyCheckpoint(DistributedTest):
     def test_verify_checkpoint(self, tmpdir):
         save_dir = str(tmpdir)
         engine = initialize(3)
+        train_step(engine)
         engine.save_checkpoint(save_dir, tag="global_step1")
         engine.save_checkpoint(save_dir, tag="global_step2")
         dist.barrier()

@@ -78,6 +78,7 @@ def main():
     parser.add_argument("--resume_from_checkpoint")
     parser.add_argument("--load_universal", action="store_true")
     parser.add_argument("--check_resumed_weights", action="store_true")
+    parser.add_argument("--async_save", action="store_true", help="save checkpoints in the background")
     args, _ = parser.parse_known_args()  # the launcher adds --local_rank
 
     ds_config = {
@@ -87,7 +88,8 @@ def main():
             "stage": args.zero_stage
         },
         "checkpoint": {
-            "load_universal": args.load_universal
+            "load_universal": args.load_universal,
+            "async_save": args.async_save
         },
     }
     training_args = transformers.TrainingArguments(output_dir=args.output_dir,

@@ -5,7 +5,8 @@
 """docs/resume-other-world-size.md, run as a user would: the Hugging Face Trainer trains on 2 ranks
 and saves, then resumes on 1 rank with the same script and config, from exactly the saved weights,
 and trains on to its next save; at ZeRO-3 also by the offline path (ds_to_universal, then
-``load_universal``).
+``load_universal``). With ``"checkpoint": {"async_save": true}`` in the Trainer's config the same
+script saves in the background and resumes the same way (docs/checkpoint-safety.md).
 
 On deepspeed 0.19.8 the direct resume fails in ``load_checkpoint`` ("Automatic adjustment of
 ZeRO's optimizer state partitioning with a new world size is not currently supported").
@@ -58,3 +59,15 @@ def test_trainer_resumes_on_another_world_size(tmp_path, zero_stage):
     assert "saved at data-parallel size" not in log, log
     assert "resumed weights match" in log, log
     assert (offline / "checkpoint-4" / "latest").read_text() == "global_step4"
+
+
+def test_trainer_saves_in_the_background_and_resumes(tmp_path):
+    # "async_save" in the Trainer's DeepSpeed config, and nothing else: the script ends right after
+    # the last save, and destroys the process group, which waits for the save to be committed.
+    out = tmp_path / "out"
+    deepspeed_launcher(2, "--output_dir", out, "--zero_stage", "2", "--max_steps", "2", "--async_save")
+    assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
+    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "2", "--max_steps", "4", "--resume_from_checkpoint",
+                             out / "checkpoint-2", "--check_resumed_weights", "--async_save")
+    assert "resumed weights match" in log, log
+    assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"

@@ -1,0 +1,165 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``save_checkpoint`` with ``"checkpoint": {"async_save": true}`` returns once every rank holds a
+host copy of what it saves, and writes the files in the background.
+
+A 2-rank job at ZeRO-2 and ZeRO-3 saves in the background and takes a step right after the call
+returns, while the files are being written: what it wrote must be what a synchronous save of the
+same state writes, file by file and tensor by tensor, and `latest` must name the tag once the save
+is done. A write that fails on one rank (a folder in the way of its optimizer file) must be raised
+on every rank at the next save, naming the tag, the rank and the cause, with `latest` left on the
+last complete tag; the save after that works.
+
+A rank SIGKILLed half way through writing its optimizer file in the background, while training
+goes on, must leave `latest` on the previous tag and no truncated file under a final name, and the
+next job resumes from the previous tag. This file is also that job: ``python -m
+torch.distributed.run ... test_checkpoint_async_save.py save STAGE DIR``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import deepspeed.comm as dist
+
+from unit.checkpoint import test_checkpoint_killed_save as killed_save
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
+from unit.common import DistributedTest
+
+
+def assert_same(saved, expected, where):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(saved, torch.Tensor) and saved.dtype == expected.dtype, where
+        assert torch.equal(saved, expected), where
+    elif isinstance(expected, dict):
+        assert sorted(saved, key=str) == sorted(expected, key=str), where
+        for key, value in expected.items():
+            assert_same(saved[key], value, f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(saved) == len(expected), where
+        for index, value in enumerate(expected):
+            assert_same(saved[index], value, f"{where}[{index}]")
+    elif hasattr(expected, "__dict__"):
+        # Objects such as the loss scaler compare by their state.
+        assert type(saved) is type(expected), where
+        assert_same(vars(saved), vars(expected), where)
+    else:
+        assert saved == expected, where
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+class TestCheckpointAsyncSave(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_same_checkpoint_as_a_synchronous_save(self, stage, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(stage)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="sync")
+        engine.destroy()
+
+        engine = initialize(stage, async_save=True)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="async")
+        # Training goes on while the files are written: the save must not see this step.
+        train_step(engine)
+        engine.wait_for_async_save()
+        with open(os.path.join(save_dir, "latest")) as fd:
+            assert fd.read() == "async"
+
+        names = sorted(name for name in os.listdir(os.path.join(save_dir, "sync")) if name.endswith(".pt"))
+        assert names == sorted(name for name in os.listdir(os.path.join(save_dir, "async")) if name.endswith(".pt"))
+        if dist.get_rank() == 0:
+            for name in names:
+                expected = torch.load(os.path.join(save_dir, "sync", name), weights_only=False)
+                saved = torch.load(os.path.join(save_dir, "async", name), weights_only=False)
+                # The config the job ran with, the one thing that differs.
+                if "ds_config" in expected:
+                    config = saved.pop("ds_config")
+                    assert config["checkpoint"].pop("async_save") is True
+                    assert_same(config, expected.pop("ds_config"), name)
+                assert_same(saved, expected, name)
+        engine.destroy()
+
+    def test_failed_write_is_raised_on_every_rank(self, stage, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(stage, async_save=True)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="step1")
+        # Rank 1's optimizer file of the next tag cannot be written: a folder holds its name.
+        if dist.get_rank() == 1:
+            os.makedirs(os.path.join(save_dir, "step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="step2")
+
+        error = re.escape(f"The background save of checkpoint {os.path.join(save_dir, 'step2')} failed") + ".*" + \
+            re.escape("rank 1: IsADirectoryError")
+        with pytest.raises(RuntimeError, match=error):
+            engine.save_checkpoint(save_dir, tag="step3")
+        with open(os.path.join(save_dir, "latest")) as fd:
+            assert fd.read() == "step1"
+        assert not [name for name in os.listdir(os.path.join(save_dir, "step2")) if name.endswith(".tmp")]
+
+        engine.save_checkpoint(save_dir, tag="step3")
+        engine.wait_for_async_save()
+        with open(os.path.join(save_dir, "latest")) as fd:
+            assert fd.read() == "step3"
+        engine.destroy()
+
+
+def test_rank_killed_during_the_background_write(tmp_path):
+    from unit.common import get_master_port
+    save_dir = tmp_path / "stage3"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={get_master_port()}", __file__, "save", "3", save_dir
+    ]
+    # The job imports this file's neighbours, as the tests do.
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert "rank 1: save_checkpoint returned" in proc.stdout, proc.stdout
+    assert "rank 1: killed while writing" in proc.stdout, proc.stdout
+    assert proc.returncode != 0, proc.stdout
+    assert (save_dir / "latest").read_text() == "global_step1"
+    for name in os.listdir(save_dir / "global_step2"):
+        if name.endswith(".pt"):
+            assert zipfile.is_zipfile(save_dir / "global_step2" / name), f"{name} is truncated"
+
+    # The next job resumes from global_step1, and refuses global_step2 by its missing file.
+    proc = killed_save.run_job("load", save_dir)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("resumed from global_step1") == 2, proc.stdout
+    assert proc.stdout.count("refused global_step2") == 2, proc.stdout
+
+
+def save_then_die(stage, save_dir):
+    engine = initialize(stage, async_save=True)
+    train_step(engine)
+    engine.save_checkpoint(save_dir, tag="global_step1")
+    engine.wait_for_async_save()
+    weights = killed_save.full_weights(engine)
+    if dist.get_rank() == 0:
+        torch.save(weights, os.path.join(save_dir, "global_step1_weights.pt"))
+    train_step(engine)
+    if dist.get_rank() == 1:
+        killed_save.die_while_writing_optimizer_states()
+    engine.save_checkpoint(save_dir, tag="global_step2")
+    killed_save.say(f"rank {dist.get_rank()}: save_checkpoint returned")
+    # Training goes on while the files are written; rank 1 dies in its writer thread.
+    train_step(engine)
+    engine.wait_for_async_save()
+
+
+if __name__ == "__main__":
+    import deepspeed
+    deepspeed.init_distributed()
+    save_then_die(int(sys.argv[2]), sys.argv[3])

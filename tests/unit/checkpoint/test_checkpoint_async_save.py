@@ -6,22 +6,25 @@
 host copy of what it saves, and writes the files in the background.
 
 A 2-rank job at ZeRO-2 and ZeRO-3 saves in the background and takes a step right after the call
-returns, while the files are being written: what it wrote must be what a synchronous save of the
-same state writes, file by file and tensor by tensor, and `latest` must name the tag once the save
-is done. A write that fails on one rank (a folder in the way of its optimizer file) must be raised
-on every rank at the next save, naming the tag, the rank and the cause, with `latest` left on the
-last complete tag; the save after that works.
+returns, before the files are written: what it wrote must be what a synchronous save of the same
+state writes, file by file and tensor by tensor, and `latest` must name the tag once the save is
+done. So must a job of one rank at ZeRO-1 in bf16, a 2-rank ZeRO-0 job in bf16 and a 2-rank ZeRO-1
+job with a Megatron-style ``mpu`` of tensor-parallel size 2. A write that fails on one rank (a
+folder in the way of its optimizer file) must be raised on every rank at the next save, naming the
+tag, the rank and the cause, with `latest` left on the last complete tag; the save after that works.
 
 A rank SIGKILLed half way through writing its optimizer file in the background, while training
 goes on, must leave `latest` on the previous tag and no truncated file under a final name, and the
-next job resumes from the previous tag. This file is also that job: ``python -m
-torch.distributed.run ... test_checkpoint_async_save.py save STAGE DIR``.
+next job resumes from the previous tag. A script whose last background save fails and that then
+ends must exit with an error naming the tag and the cause. This file is also those jobs: ``python -m
+torch.distributed.run ... test_checkpoint_async_save.py save STAGE DIR`` (or ``exit DIR``).
 """
 
 import os
 import re
 import subprocess
 import sys
+import threading
 import zipfile
 
 import pytest
@@ -54,40 +57,84 @@ def assert_same(saved, expected, where):
         assert saved == expected, where
 
 
+def assert_same_checkpoint_as_a_synchronous_save(save_dir, stage, **job):
+    engine = initialize(stage, **job)
+    train_step(engine)
+    engine.save_checkpoint(save_dir, tag="sync")
+    engine.destroy()
+
+    engine = initialize(stage, async_save=True, **job)
+    train_step(engine)
+    # Training goes on while the files are written: the save must not see the next step, which is
+    # taken before the background writes begin.
+    step_taken, real_save, training = threading.Event(), torch.save, threading.current_thread()
+
+    def save_after_the_step(*args, **kwargs):
+        if threading.current_thread() is not training:
+            step_taken.wait()
+        return real_save(*args, **kwargs)
+
+    torch.save = save_after_the_step
+    try:
+        engine.save_checkpoint(save_dir, tag="async")
+        train_step(engine)
+        step_taken.set()
+        engine.wait_for_async_save()
+    finally:
+        torch.save = real_save
+    with open(os.path.join(save_dir, "latest")) as fd:
+        assert fd.read() == "async"
+
+    names = sorted(name for name in os.listdir(os.path.join(save_dir, "sync")) if name.endswith(".pt"))
+    assert names == sorted(name for name in os.listdir(os.path.join(save_dir, "async")) if name.endswith(".pt"))
+    if dist.get_rank() == 0:
+        for name in names:
+            expected = torch.load(os.path.join(save_dir, "sync", name), weights_only=False)
+            saved = torch.load(os.path.join(save_dir, "async", name), weights_only=False)
+            # The config the job ran with, the one thing that differs.
+            if "ds_config" in expected:
+                config = saved.pop("ds_config")
+                assert config["checkpoint"].pop("async_save") is True
+                assert_same(config, expected.pop("ds_config"), name)
+            assert_same(saved, expected, name)
+    engine.destroy()
+    return names
+
+
+class ModelParallelUnit:
+    """A Megatron-style ``mpu``: tensor-parallel size 2, data-parallel size 1, at world size 2. Each
+    rank saves a model and an optimizer file of its own (``mp_rank_00``, ``mp_rank_01``)."""
+
+    def __init__(self):
+        self.model_group = dist.new_group([0, 1])
+        self.data_groups = [dist.new_group([rank]) for rank in range(2)]
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank()
+
+    def get_model_parallel_world_size(self):
+        return 2
+
+    def get_model_parallel_group(self):
+        return self.model_group
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_group(self):
+        return self.data_groups[dist.get_rank()]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 class TestCheckpointAsyncSave(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
     def test_same_checkpoint_as_a_synchronous_save(self, stage, tmpdir):
-        save_dir = str(tmpdir)
-        engine = initialize(stage)
-        train_step(engine)
-        engine.save_checkpoint(save_dir, tag="sync")
-        engine.destroy()
-
-        engine = initialize(stage, async_save=True)
-        train_step(engine)
-        engine.save_checkpoint(save_dir, tag="async")
-        # Training goes on while the files are written: the save must not see this step.
-        train_step(engine)
-        engine.wait_for_async_save()
-        with open(os.path.join(save_dir, "latest")) as fd:
-            assert fd.read() == "async"
-
-        names = sorted(name for name in os.listdir(os.path.join(save_dir, "sync")) if name.endswith(".pt"))
-        assert names == sorted(name for name in os.listdir(os.path.join(save_dir, "async")) if name.endswith(".pt"))
-        if dist.get_rank() == 0:
-            for name in names:
-                expected = torch.load(os.path.join(save_dir, "sync", name), weights_only=False)
-                saved = torch.load(os.path.join(save_dir, "async", name), weights_only=False)
-                # The config the job ran with, the one thing that differs.
-                if "ds_config" in expected:
-                    config = saved.pop("ds_config")
-                    assert config["checkpoint"].pop("async_save") is True
-                    assert_same(config, expected.pop("ds_config"), name)
-                assert_same(saved, expected, name)
-        engine.destroy()
+        assert_same_checkpoint_as_a_synchronous_save(str(tmpdir), stage)
 
     def test_failed_write_is_raised_on_every_rank(self, stage, tmpdir):
         save_dir = str(tmpdir)
@@ -115,17 +162,40 @@ class TestCheckpointAsyncSave(DistributedTest):
         engine.destroy()
 
 
-def test_rank_killed_during_the_background_write(tmp_path):
+class TestCheckpointAsyncSaveJobs(DistributedTest):
+    """Other jobs save the same checkpoint in the background as synchronously: one rank, ZeRO-0 and
+    ZeRO-1, bf16, a Megatron-style ``mpu``."""
+    reuse_dist_env = True
+
+    @pytest.mark.world_size(1)
+    def test_one_rank_zero1_bf16(self, tmpdir):
+        assert_same_checkpoint_as_a_synchronous_save(str(tmpdir), 1, bf16=True)
+
+    @pytest.mark.world_size(2)
+    def test_zero0_bf16(self, tmpdir):
+        assert_same_checkpoint_as_a_synchronous_save(str(tmpdir), 0, bf16=True)
+
+    @pytest.mark.world_size(2)
+    def test_megatron_mpu_zero1(self, tmpdir):
+        names = assert_same_checkpoint_as_a_synchronous_save(str(tmpdir), 1, mpu=ModelParallelUnit())
+        assert "mp_rank_01_model_states.pt" in names, names
+
+
+def run_job(world_size, *args):
     from unit.common import get_master_port
-    save_dir = tmp_path / "stage3"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={get_master_port()}", __file__, "save", "3", save_dir
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
+        "--master_addr=127.0.0.1", f"--master_port={get_master_port()}", __file__, *map(str, args)
     ]
     # The job imports this file's neighbours, as the tests do.
     tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def test_rank_killed_during_the_background_write(tmp_path):
+    save_dir = tmp_path / "stage3"
+    proc = run_job(2, "save", 3, save_dir)
     assert "rank 1: save_checkpoint returned" in proc.stdout, proc.stdout
     assert "rank 1: killed while writing" in proc.stdout, proc.stdout
     assert proc.returncode != 0, proc.stdout
@@ -139,6 +209,16 @@ def test_rank_killed_during_the_background_write(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("resumed from global_step1") == 2, proc.stdout
     assert proc.stdout.count("refused global_step2") == 2, proc.stdout
+
+
+def test_background_save_that_fails_fails_the_job_at_exit(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    proc = run_job(1, "exit", save_dir)
+    assert "save_checkpoint returned" in proc.stdout, proc.stdout
+    assert f"The background save of checkpoint {save_dir / 'global_step2'} failed" in proc.stdout, proc.stdout
+    assert "rank 0: IsADirectoryError" in proc.stdout, proc.stdout
+    assert proc.returncode != 0, proc.stdout
+    assert (save_dir / "latest").read_text() == "global_step1"
 
 
 def save_then_die(stage, save_dir):
@@ -159,7 +239,21 @@ def save_then_die(stage, save_dir):
     engine.wait_for_async_save()
 
 
+def fail_then_exit(save_dir):
+    """The script's last save fails in the background, and the script ends without waiting for it."""
+    engine = initialize(1, async_save=True)
+    train_step(engine)
+    engine.save_checkpoint(save_dir, tag="global_step1")
+    train_step(engine)
+    os.makedirs(os.path.join(save_dir, "global_step2", "mp_rank_00_model_states.pt"))
+    engine.save_checkpoint(save_dir, tag="global_step2")
+    killed_save.say("save_checkpoint returned")
+
+
 if __name__ == "__main__":
     import deepspeed
     deepspeed.init_distributed()
-    save_then_die(int(sys.argv[2]), sys.argv[3])
+    if sys.argv[1] == "exit":
+        fail_then_exit(sys.argv[2])
+    else:
+        save_then_die(int(sys.argv[2]), sys.argv[3])

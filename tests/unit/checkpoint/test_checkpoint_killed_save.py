@@ -115,7 +115,7 @@ def say(line):
     sys.stdout.flush()
 
 
-def initialize(stage, node_local=False, fsync=True, **checkpoint_config):
+def initialize(stage, node_local=False, fsync=True, bf16=False, mpu=None, **checkpoint_config):
     import torch
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -141,13 +141,16 @@ def initialize(stage, node_local=False, fsync=True, **checkpoint_config):
         "zero_optimization": {
             "stage": stage
         },
+        "bf16": {
+            "enabled": bf16
+        },
         "checkpoint": {
             "use_node_local_storage": node_local,
             "fsync": fsync,
             **checkpoint_config
         },
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(), mpu=mpu)
     return engine
 
 

@@ -1,0 +1,96 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The next save of a tag removes the temporary files that a killed save of it left, and only those.
+
+A save killed half way leaves the hidden temporary files of ``atomic_write`` in the tag's folder (and
+of ``latest`` in the checkpoint folder): here a process that writes rank 1's optimizer file of
+``global_step1``, and then ``latest``, through ``atomic_write``, as a rank of a save does, is
+SIGKILLed in the middle of it. A 2-rank ZeRO-2 job then saves ``global_step1`` while its rank 1 is
+still writing a file of its own into the tag's folder: the killed process's temporaries must be
+gone, the one being written must be kept (and complete), and the new save must load.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from deepspeed.checkpoint.utils import atomic_write
+import deepspeed.comm as dist
+
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
+from unit.common import DistributedTest
+
+KILLED_SAVE = """
+import os, signal, sys
+from deepspeed.checkpoint.utils import atomic_write
+rank_file, latest = sys.argv[1:]
+
+def write_latest(temp):
+    with open(temp, "w") as fd:
+        fd.write("global_step1")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def write_rank_file(temp):
+    with open(temp, "wb") as fd:
+        fd.write(b"half a rank file")
+    atomic_write(latest, write_latest)
+
+atomic_write(rank_file, write_rank_file)
+"""
+
+
+def temporaries(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith(".tmp"))
+
+
+class TestCheckpointReclaimTemps(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_next_save_of_the_tag_removes_what_a_killed_save_left(self, tmpdir):
+        save_dir = str(tmpdir)
+        folder = os.path.join(save_dir, "global_step1")
+        engine = initialize(2)
+        train_step(engine)
+        if dist.get_rank() == 0:
+            os.makedirs(folder)
+            rank_file = os.path.join(folder, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+            killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, rank_file, os.path.join(save_dir, "latest")])
+            assert killed.returncode == -signal.SIGKILL
+            assert len(temporaries(folder)) == 1 and len(temporaries(save_dir)) == 1
+        dist.barrier()
+
+        # Another process (rank 1) writes a file into the tag's folder while rank 0 saves the tag.
+        writing, done = threading.Event(), threading.Event()
+
+        def write_notes(temp):
+            with open(temp, "w") as fd:
+                fd.write("written while the tag was saved")
+            writing.set()
+            done.wait()
+
+        if dist.get_rank() == 1:
+            writer = threading.Thread(target=atomic_write, args=(os.path.join(folder, "notes.txt"), write_notes))
+            writer.start()
+            writing.wait()
+        dist.barrier()
+        engine.save_checkpoint(save_dir, tag="global_step1")
+        if dist.get_rank() == 0:
+            left = temporaries(folder)
+            assert len(left) == 1 and left[0].startswith(".notes.txt."), left
+            assert temporaries(save_dir) == []
+        dist.barrier()
+        if dist.get_rank() == 1:
+            done.set()
+            writer.join()
+        dist.barrier()
+
+        assert temporaries(folder) == []
+        with open(os.path.join(folder, "notes.txt")) as fd:
+            assert fd.read() == "written while the tag was saved"
+        load_path, _ = initialize(2).load_checkpoint(save_dir)
+        assert os.path.basename(os.path.dirname(load_path)) == "global_step1", load_path

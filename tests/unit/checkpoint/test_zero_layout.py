@@ -21,7 +21,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES
 from deepspeed.checkpoint.utils import find_rank_files, load_checkpoint_file
-from deepspeed.checkpoint.zero_layout import FragmentReader, zero3_rank_fragments, zero_rank_fragments
+from deepspeed.checkpoint.zero_layout import FragmentReader, index_fragments, zero3_rank_fragments, zero_rank_fragments
 
 from unit.checkpoint.autotp_common import train_engine
 from unit.checkpoint.zero_load_common import initialize, optimizer_states
@@ -51,9 +51,10 @@ class TestZeroLayout(DistributedTest):
                 fragments = zero3_rank_fragments(optim_sd, param_shapes, dist.get_world_size(), dp_index)
             else:
                 fragments = zero_rank_fragments(optim_sd, 0, [])
-            for name, flat_states, start, numel in fragments:
-                assert dp_index not in index.setdefault(name, {0: {}})[0], f"{name}: two fragments on rank {dp_index}"
-                index[name][0][dp_index] = (flat_states, start, numel)
+            fragments = list(fragments)
+            names = [name for name, _, _, _ in fragments]
+            assert len(names) == len(set(names)), f"a parameter with two fragments on rank {dp_index}: {names}"
+            index_fragments(index, fragments, 0, dp_index)
         reader = FragmentReader(index)
 
         assert sorted(name for name in index if name in expected) == sorted(expected)

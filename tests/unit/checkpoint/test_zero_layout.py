@@ -4,13 +4,14 @@
 # DeepSpeed Team
 """``deepspeed.checkpoint.zero_layout`` says where each element of every parameter's saved states lies
 in the optimizer files of a ZeRO checkpoint: ``param_slice_mappings`` at ZeRO-1/2, ``param_shapes``
-and the partitioning rule at ZeRO-3. ``ds_to_universal`` and the load of a checkpoint saved at
-another data-parallel size read the rank files through it.
+and the partitioning rule at ZeRO-3. ``ds_to_universal`` reads the rank files through it, and
+``zero_to_fp32`` takes the ZeRO-3 partitioning rule from it.
 
 A 2-rank job trains a small Llama with the Hugging Face Trainer's two parameter groups and a
-zero-element placeholder, and saves it. Read through the layout from the memory-mapped rank files,
-every parameter's fp32 weights and Adam moments must come out whole, each element from exactly one
-fragment, equal to what the engine gathers from its ranks.
+zero-element placeholder, and saves it. Cut out of the rank files through the layout, every
+parameter's fp32 weights and Adam moments must come out whole, each element from exactly one
+fragment, equal to what the engine gathers from its ranks and to what ``zero_to_fp32``
+consolidates.
 """
 
 import os
@@ -18,14 +19,29 @@ import os
 import pytest
 import torch
 
+import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES
-from deepspeed.checkpoint.utils import find_rank_files, load_checkpoint_file
-from deepspeed.checkpoint.zero_layout import FragmentReader, index_fragments, zero3_rank_fragments, zero_rank_fragments
+from deepspeed.checkpoint.utils import find_rank_files
+from deepspeed.checkpoint.zero_layout import zero3_rank_fragments, zero_rank_fragments
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from unit.checkpoint.autotp_common import train_engine
-from unit.checkpoint.zero_load_common import initialize, optimizer_states
+from unit.checkpoint.autotp_common import build_model, ds_config, train_engine, trainer_param_groups
 from unit.common import DistributedTest
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def gathered_states(engine):
+    states = {}
+    for name, param in engine.module.named_parameters():
+        if getattr(param, "ds_numel", param.numel()) == 0:
+            continue  # nothing to optimize, no optimizer state
+        states[name] = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
+        for key in STATES[1:]:
+            states[name][key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+    return states
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -34,33 +50,41 @@ class TestZeroLayout(DistributedTest):
     reuse_dist_env = True
 
     def test_every_element_in_one_fragment(self, stage, tmpdir):
-        engine = initialize(stage, tp_size=1)
+        model = build_model()
+        # A zero-element parameter, as quantization libraries register for placeholders.
+        model.model.norm.register_parameter("weight_scale", torch.nn.Parameter(torch.zeros(0)))
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               config=ds_config(stage, tp_size=1),
+                                               model_parameters=trainer_param_groups(model))
         train_engine(engine, tp_size=1, steps=2)
         engine.save_checkpoint(str(tmpdir), tag="step2")
-        expected, _ = optimizer_states(engine, "adam")
+        expected = gathered_states(engine)
         engine.destroy()
         if dist.get_rank() != 0:
             return
 
         rank_files = find_rank_files(os.path.join(str(tmpdir), "step2"))
-        index = {}
+        pieces = {}
         for dp_index in range(dist.get_world_size()):
-            optim_sd = load_checkpoint_file(rank_files[("optim", dp_index, 0)][0])[OPTIMIZER_STATE_DICT]
+            optim_sd = torch.load(rank_files[("optim", dp_index, 0)][0], weights_only=False)[OPTIMIZER_STATE_DICT]
             if stage == 3:
-                param_shapes = load_checkpoint_file(rank_files[("model", 0, 0)][0])[PARAM_SHAPES]
+                param_shapes = torch.load(rank_files[("model", 0, 0)][0], weights_only=False)[PARAM_SHAPES]
                 fragments = zero3_rank_fragments(optim_sd, param_shapes, dist.get_world_size(), dp_index)
             else:
                 fragments = zero_rank_fragments(optim_sd, 0, [])
             fragments = list(fragments)
             names = [name for name, _, _, _ in fragments]
             assert len(names) == len(set(names)), f"a parameter with two fragments on rank {dp_index}: {names}"
-            index_fragments(index, fragments, 0, dp_index)
-        reader = FragmentReader(index)
+            for name, flat_state, start, numel in fragments:
+                pieces.setdefault(name, []).append({key: flat_state[key].narrow(0, start, numel) for key in STATES})
 
-        assert sorted(name for name in index if name in expected) == sorted(expected)
+        assert sorted(name for name in pieces if name in expected) == sorted(expected)
         for name, states in expected.items():
-            numel = states["fp32"].numel()
-            assert sum(fragment[2] for fragment in index[name][0].values()) == numel, name
-            assert reader.state_names(name) == sorted(states), name
             for key, tensor in states.items():
-                assert torch.equal(reader.read(name, key, 0, 0, numel).view(tensor.shape), tensor), f"{name} {key}"
+                merged = torch.cat([piece[key] for piece in pieces[name]])
+                assert merged.numel() == tensor.numel(), f"{name} {key}"
+                assert torch.equal(merged.view(tensor.shape), tensor), f"{name} {key}"
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmpdir), tag="step2")
+        for name, states in expected.items():
+            assert torch.equal(consolidated[name].float(), states["fp32"].view(consolidated[name].shape)), name

@@ -33,6 +33,9 @@ runs them:
 * ``load_resharded`` (``--tools load_resharded``): the same, in a job of another data-parallel size
   (world size 1 for ``zero3``, 2 for ``zero3-ws1`` and the tp2 x dp2 checkpoints), which the fork
   loads straight from the rank files and upstream refuses;
+* ``load_other_stage`` (``--tools load_other_stage``): the same, in a job of the checkpoint's world
+  size at another ZeRO stage (ZeRO-2 for the ZeRO-3 checkpoints, ZeRO-3 for the ZeRO-1 one), which
+  the fork loads straight from the rank files and upstream refuses;
 * ``load_universal`` (``--tools load_universal``): the same job, loading the checkpoint converted
   by the fork's ``ds_to_universal`` (converted once, untimed) with ``"checkpoint":
   {"load_universal": true}``: with the ``ds_to_universal`` row, the offline path;
@@ -92,9 +95,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_universal", "save_checkpoint",
-         "ds_verify_checkpoint")
-LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_universal")
+TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_other_stage", "load_universal",
+         "save_checkpoint", "ds_verify_checkpoint")
+LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_other_stage", "load_universal")
 # fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
 # ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
 # fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
@@ -219,16 +222,22 @@ def reshard_world_size(kind):
     return world_size // 2 if world_size // tp_size > 1 else world_size * 2
 
 
-def build_engine(kind, scale, checkpoint_config=None, world_size=None):
-    """One rank's engine of the checkpoint ``kind``'s model (at its world size unless ``world_size``);
-    returns it with its number of parameters."""
+def other_zero_stage(kind):
+    """The ZeRO stage of ``load_other_stage``: 2 for a ZeRO-3 checkpoint, 3 for the others."""
+    return 2 if CHECKPOINTS[kind][1] == 3 else 3
+
+
+def build_engine(kind, scale, checkpoint_config=None, world_size=None, stage=None):
+    """One rank's engine of the checkpoint ``kind``'s model (at its world size and ZeRO stage unless
+    ``world_size``, ``stage``); returns it with its number of parameters."""
     import torch
     import deepspeed
     import deepspeed.comm as dist
     from transformers import LlamaForCausalLM
 
-    model_name, stage, saved_world_size, tp_size = CHECKPOINTS[kind]
+    model_name, saved_stage, saved_world_size, tp_size = CHECKPOINTS[kind]
     world_size = world_size or saved_world_size
+    stage = stage or saved_stage
     deepspeed.init_distributed()
     assert dist.get_world_size() == world_size, f"{kind} needs world size {world_size}"
     config = {
@@ -295,9 +304,17 @@ def create_worker(kind, scale, save_dir):
     dist.destroy_process_group()
 
 
-def load_worker(kind, scale, save_dir, weights_only, world_size=None, load_universal=False, verify_crc32=True):
-    """One rank of a training job that resumes from the checkpoint ``kind`` (at its world size unless
-    ``world_size``); prints the wall time of ``load_checkpoint`` alone, the slowest rank's."""
+def load_worker(kind,
+                scale,
+                save_dir,
+                weights_only,
+                world_size=None,
+                load_universal=False,
+                verify_crc32=True,
+                stage=None):
+    """One rank of a training job that resumes from the checkpoint ``kind`` (at its world size and
+    ZeRO stage unless ``world_size``, ``stage``); prints the wall time of ``load_checkpoint`` alone,
+    the slowest rank's."""
     checkpoint_config = {}
     if not weights_only:
         checkpoint_config["weights_only"] = False
@@ -305,7 +322,7 @@ def load_worker(kind, scale, save_dir, weights_only, world_size=None, load_unive
         checkpoint_config["verify_crc32"] = False
     if load_universal:
         checkpoint_config["load_universal"] = True
-    engine, _ = build_engine(kind, scale, checkpoint_config, world_size)
+    engine, _ = build_engine(kind, scale, checkpoint_config, world_size, stage)
     report_slowest("load_s", "loaded", lambda: engine.load_checkpoint(save_dir))
 
 
@@ -586,6 +603,8 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
         if tool in ("load_resharded", "load_universal"):
             world_size = reshard_world_size(kind)
             job += ["--load-world-size", str(world_size)]
+        if tool == "load_other_stage":
+            job += ["--load-stage", str(other_zero_stage(kind))]
         if tool == "load_universal":
             job = ["--load", kind, "--save-dir", str(universal_dir(checkpoint_dir)), "--load-universal"] + job[4:]
         return [
@@ -751,6 +770,7 @@ def main():
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--load-world-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--load-universal", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--load-stage", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--log", help=argparse.SUPPRESS)
@@ -766,7 +786,8 @@ def main():
                     weights_only=not args.no_weights_only,
                     world_size=args.load_world_size,
                     load_universal=args.load_universal,
-                    verify_crc32=not args.no_verify_crc32)
+                    verify_crc32=not args.no_verify_crc32,
+                    stage=args.load_stage)
         return
     if args.save:
         save_worker(args.save, args.scale, args.save_dir, fsync=not args.no_fsync, async_save=args.async_save)

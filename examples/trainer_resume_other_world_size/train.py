@@ -4,7 +4,7 @@
 # DeepSpeed Team
 """Train a small Llama with the Hugging Face Trainer and a ZeRO DeepSpeed config, saving a
 checkpoint every ``--save_steps`` steps; ``--resume_from_checkpoint`` resumes from one, on any
-number of ranks (docs/resume-other-world-size.md): train on 2 ranks, resume on 1:
+number of ranks (docs/resume-other-topology.md): train on 2 ranks, resume on 1:
 
     deepspeed --num_accelerators 2 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 2
     deepspeed --num_accelerators 1 examples/trainer_resume_other_world_size/train.py --output_dir out --max_steps 4 \

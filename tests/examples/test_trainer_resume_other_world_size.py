@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""docs/resume-other-world-size.md, run as a user would: the Hugging Face Trainer trains on 2 ranks
+"""docs/resume-other-topology.md, run as a user would: the Hugging Face Trainer trains on 2 ranks
 and saves, then resumes on 1 rank with the same script and config, from exactly the saved weights,
 and trains on to its next save; at ZeRO-3 also by the offline path (ds_to_universal, then
-``load_universal``). With ``"checkpoint": {"async_save": true}`` in the Trainer's config the same
-script saves in the background and resumes the same way (docs/checkpoint-safety.md).
+``load_universal``), and from a ZeRO-2 checkpoint with a ZeRO-3 config. With
+``"checkpoint": {"async_save": true}`` in the Trainer's config the same script saves in the
+background and resumes the same way (docs/checkpoint-safety.md).
 
 On deepspeed 0.19.8 the direct resume fails in ``load_checkpoint`` ("Automatic adjustment of
 ZeRO's optimizer state partitioning with a new world size is not currently supported").
@@ -59,6 +60,18 @@ def test_trainer_resumes_on_another_world_size(tmp_path, zero_stage):
     assert "saved at data-parallel size" not in log, log
     assert "resumed weights match" in log, log
     assert (offline / "checkpoint-4" / "latest").read_text() == "global_step4"
+
+
+def test_trainer_resumes_at_another_zero_stage(tmp_path):
+    # A ZeRO-2 run resumed with a ZeRO-3 config (to fit a longer context), on another number of ranks.
+    out = tmp_path / "out"
+    deepspeed_launcher(2, "--output_dir", out, "--zero_stage", "2", "--max_steps", "2")
+    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "3", "--max_steps", "4", "--resume_from_checkpoint",
+                             out / "checkpoint-2", "--check_resumed_weights")
+    assert "Loading ZeRO-2 checkpoint" in log and "into ZeRO-3 at data-parallel size 1" in log, log
+    assert "resumed weights match" in log, log
+    assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"
+    assert os.path.isfile(out / "checkpoint-4" / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def test_trainer_saves_in_the_background_and_resumes(tmp_path):

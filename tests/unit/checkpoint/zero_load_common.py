@@ -8,8 +8,8 @@ placeholder, saved with what the run that went on uninterrupted did next (its op
 its groups' hyperparameters, its next losses); a load test resumes it and checks that it continues
 that run.
 
-Each test file names its source checkpoints in ``SOURCES`` (name: stage, tp, dp, dtype, optimizer)
-and saves each one by a test of its own, ``TestSave::test_ws1`` or ``TestSave::test_ws2`` (by the
+Each test file names its source checkpoints in ``SOURCES`` (name: stage, tp, dp, dtype, optimizer,
+and optionally "tied" for a model whose output embeddings are its input embeddings) and saves each one by a test of its own, ``TestSave::test_ws1`` or ``TestSave::test_ws2`` (by the
 world size it is saved at), into a cache shared by the session; a load test selected without its
 source test (``-k``, another order) runs that source test first in a pytest subprocess.
 """
@@ -55,7 +55,7 @@ def client_optimizer(name, param_groups):
     return torch.optim.ASGD(param_groups, lr=LR)
 
 
-def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_universal=False, uneven=False):
+def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_universal=False, uneven=False, tied=False):
     groups._release_process_group_references(None)
     config = ds_config(stage, tp_size, dtype=dtype, load_universal=load_universal)
     if dtype == torch.bfloat16:
@@ -71,6 +71,10 @@ def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_unive
         }
     }
     model = build_model(uneven=uneven, dtype=dtype)
+    if tied:
+        # As Llama checkpoints with tie_word_embeddings load: one parameter for both.
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
     # A zero-element parameter, as quantization libraries register for placeholders.
     model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
     if optimizer == "adam":
@@ -113,10 +117,10 @@ def full_weights(engine, stage, tp_size):
 def save(cache, source, spec):
     """Train SAVE_STEPS steps and save; record the gathered optimizer states, then go on training
     uninterrupted for RESUME_STEPS steps and record their losses."""
-    stage, tp_size, dp_size, dtype, optimizer = spec
+    stage, tp_size, dp_size, dtype, optimizer, *model = spec
     assert dist.get_world_size() == tp_size * dp_size
     folder = os.path.join(cache, source)
-    engine = initialize(stage, tp_size, dtype, optimizer)
+    engine = initialize(stage, tp_size, dtype, optimizer, tied="tied" in model)
     train_engine(engine, tp_size, SAVE_STEPS)
     engine.save_checkpoint(folder, tag=TAG, client_state=CLIENT_STATE)
     states, steps = optimizer_states(engine, optimizer)
@@ -148,18 +152,25 @@ def saved(request, cache):
     source = request.getfixturevalue("source")
     folder = os.path.join(cache, source)
     if not os.path.isfile(os.path.join(folder, "done.json")):
-        _, tp_size, dp_size, _, _ = request.module.SOURCES[source]
+        _, tp_size, dp_size, *_ = request.module.SOURCES[source]
         method = "test_ws1" if tp_size * dp_size == 1 else "test_ws2"
         run_source_test(request, f"TestSave::{method}[{source}]", CACHE_ENV, cache, os.path.join(folder, "done.json"))
     return folder
 
 
-def load_and_train(folder, spec, dp_size, universal_dir=None):
-    """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size``, or with
-    ``load_universal`` its conversion in ``universal_dir``, and check the resume."""
-    stage, tp_size, saved_dp_size, dtype, optimizer = spec
-    assert dist.get_world_size() == tp_size * dp_size and (dp_size != saved_dp_size or universal_dir)
-    engine = initialize(stage, tp_size, dtype, optimizer, load_universal=universal_dir is not None)
+def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None):
+    """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``), or
+    with ``load_universal`` its conversion in ``universal_dir``, and check the resume."""
+    saved_stage, tp_size, saved_dp_size, dtype, optimizer, *model = spec
+    stage = saved_stage if stage is None else stage
+    assert dist.get_world_size() == tp_size * dp_size
+    assert dp_size != saved_dp_size or stage != saved_stage or universal_dir
+    engine = initialize(stage,
+                        tp_size,
+                        dtype,
+                        optimizer,
+                        load_universal=universal_dir is not None,
+                        tied="tied" in model)
     if universal_dir is None:
         load_path, client_state = engine.load_checkpoint(folder, tag=TAG)
     else:
@@ -191,6 +202,8 @@ def load_and_train(folder, spec, dp_size, universal_dir=None):
             # zero_to_fp32 does not read the BF16 optimizer's checkpoints: the saved fp32 weights.
             expected = {name: param_states["fp32"] for name, param_states in saved["states"].items()}
             expected[PLACEHOLDER] = torch.zeros(0)
+            if "tied" in model:
+                expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
         assert sorted(weights) == sorted(expected)
         for name, value in expected.items():
             # The module holds the fp32 master weights rounded to its dtype.

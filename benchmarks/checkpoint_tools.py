@@ -11,7 +11,8 @@ in fp32, gloo on CPU, saved by unpatched upstream 0.19.8 unless ``--save-with fo
   tp2 x dp2 (world size 4), ZeRO stage 1 and 3 (254M parameters at ``--scale full``);
 * ``zero3``: the same kind of Llama, plain ZeRO-3 at world size 2, built under ``zero.Init``
   (569M parameters at ``--scale full``); ``zero3-ws1`` (only with ``--checkpoints``): the same
-  at world size 1, the baseline of a job on one rank;
+  at world size 1, the baseline of a job on one rank; ``zero2`` (only with ``--checkpoints``): the
+  same model at ZeRO-2, world size 2, the baseline of a ZeRO-2 job;
 
 and on each, for the variants ``upstream`` (0.19.8) and ``fork`` (and, with ``--variants``,
 ``fork-trusting``: the fork with its weights_only check off, ``--no_weights_only`` or
@@ -130,6 +131,7 @@ CHECKPOINTS = {
     "autotp-z3": ("autotp", 3, 4, 2),
     "zero3": ("zero3", 3, 2, 1),
     "zero3-ws1": ("zero3", 3, 1, 1),
+    "zero2": ("zero3", 2, 2, 1),
 }
 DEFAULT_CHECKPOINTS = ("autotp-z1", "autotp-z3", "zero3")
 INJECT_HINTS = ("--inject_missing_state", "Required universal_checkpoint_info state is missing")

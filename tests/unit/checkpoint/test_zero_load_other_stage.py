@@ -11,7 +11,9 @@ the optimizer's two parameter groups (the Hugging Face Trainer's) keeps its own 
 and the next steps' losses are those of the run that saved the checkpoint and went on training
 uninterrupted. Covered: 1 -> 3, 2 -> 3, 3 -> 2 and 3 -> 1 at data-parallel sizes 2 -> 2, 2 -> 1 and
 1 -> 2, in fp32 and bf16, with a model whose output embeddings are its input embeddings and one with
-a zero-element parameter. A load of the weights alone (``load_optimizer_states=False``) at another
+a zero-element parameter. The offline path moves too: the checkpoint converted by ``ds_to_universal``
+loads at the other stage with ``load_universal``, its step counts included (a universal checkpoint
+of ZeRO-3 saves them with its global state only). A load of the weights alone (``load_optimizer_states=False``) at another
 stage gives the checkpoint's weights. What cannot be moved (a ZeRO-3 checkpoint whose frozen
 parameters are partitioned across the saving ranks, into ZeRO-2) is refused before anything is
 loaded, naming both stages and data-parallel sizes.
@@ -19,6 +21,8 @@ loaded, naming both stages and data-parallel sizes.
 On deepspeed 0.19.8 each of these loads fails with a bare ``AssertionError`` from the state dict
 loader, which finds no model states file named as its own stage names them.
 """
+
+import os
 
 import pytest
 import torch
@@ -29,8 +33,10 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from unit.common import DistributedTest
 from unit.checkpoint import zero_load_common
-from unit.checkpoint.autotp_common import build_model, ds_config, train_engine, trainer_param_groups
-from unit.checkpoint.zero_load_common import TAG, assert_refused, full_weights, initialize, load_and_train, save
+from unit.checkpoint.autotp_common import (build_model, convert_to_universal_checkpoint, ds_config, train_engine,
+                                           trainer_param_groups)
+from unit.checkpoint.zero_load_common import (TAG, UNIVERSAL_TAG, assert_refused, full_weights, initialize,
+                                              load_and_train, save)
 
 # The fixtures: the folder the source checkpoints are saved in, once per session, and a test's source.
 cache = zero_load_common.cache
@@ -78,6 +84,14 @@ class TestLoad(DistributedTest):
     @pytest.mark.parametrize("source,stage", [("stage2-tp1dp2-tied", 3), ("stage3-tp1dp2-tied", 1)])
     def test_ws1(self, source, stage, saved):
         load_and_train(saved, SOURCES[source], dp_size=1, stage=stage)
+
+    @pytest.mark.parametrize("source,stage", [("stage2-tp1dp2-tied", 3), ("stage3-tp1dp2-tied", 2)])
+    def test_universal(self, source, stage, saved, tmpdir):
+        # The offline path: the checkpoint converted by ds_to_universal, loaded at the other stage.
+        if dist.get_rank() == 0:
+            convert_to_universal_checkpoint(os.path.join(saved, TAG), os.path.join(str(tmpdir), UNIVERSAL_TAG))
+        dist.barrier()
+        load_and_train(saved, SOURCES[source], dp_size=2, universal_dir=str(tmpdir), stage=stage)
 
     @pytest.mark.parametrize("source,stage", [("stage2-tp1dp2-tied", 3), ("stage3-tp1dp2-tied", 2)])
     def test_weights_only(self, source, stage, saved):

@@ -7,16 +7,16 @@ longer context, 3 -> 2 for speed, 1 -> 3), at the same or another data-parallel 
 is, with its optimizer states: no ``ds_to_universal``, no config change. Right after the load the
 weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 master weights, Adam's
 moments and step counts are the saved ones, the LR scheduler and client state are restored, each of
-the optimizer's two parameter groups (the Hugging Face Trainer's) keeps its own hyperparameters,
-and the next steps' losses are those of the run that saved the checkpoint and went on training
+the optimizer's two parameter groups (the Hugging Face Trainer's) keeps its own hyperparameters, and
+the next steps' losses are those of the run that saved the checkpoint and went on training
 uninterrupted. Covered: 1 -> 3, 2 -> 3, 3 -> 2 and 3 -> 1 at data-parallel sizes 2 -> 2, 2 -> 1 and
 1 -> 2, in fp32 and bf16, with a model whose output embeddings are its input embeddings and one with
-a zero-element parameter. The offline path moves too: the checkpoint converted by ``ds_to_universal``
-loads at the other stage with ``load_universal``, its step counts included (a universal checkpoint
-of ZeRO-3 saves them with its global state only). A load of the weights alone (``load_optimizer_states=False``) at another
-stage gives the checkpoint's weights. What cannot be moved (a ZeRO-3 checkpoint whose frozen
-parameters are partitioned across the saving ranks, into ZeRO-2) is refused before anything is
-loaded, naming both stages and data-parallel sizes.
+a zero-element parameter. The offline path moves too: the checkpoint converted by
+``ds_to_universal`` loads at the other stage with ``load_universal``, its step counts included (a
+universal checkpoint of ZeRO-3 saves them with its global state only). A load of the weights alone
+(``load_optimizer_states=False``) at another stage gives the checkpoint's weights. What cannot be
+moved (a ZeRO-3 checkpoint whose frozen parameters are partitioned across the saving ranks, into
+ZeRO-2) is refused before anything is loaded, naming both stages and data-parallel sizes.
 
 On deepspeed 0.19.8 each of these loads fails with a bare ``AssertionError`` from the state dict
 loader, which finds no model states file named as its own stage names them.
@@ -27,14 +27,12 @@ import os
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.common import DistributedTest
 from unit.checkpoint import zero_load_common
-from unit.checkpoint.autotp_common import (build_model, convert_to_universal_checkpoint, ds_config, train_engine,
-                                           trainer_param_groups)
+from unit.checkpoint.autotp_common import convert_to_universal_checkpoint, train_engine
 from unit.checkpoint.zero_load_common import (TAG, UNIVERSAL_TAG, assert_refused, full_weights, initialize,
                                               load_and_train, save)
 
@@ -112,25 +110,15 @@ class TestRefuse(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
-    @staticmethod
-    def initialize_frozen(stage):
-        # A frozen layer, as in fine-tuning some layers only.
-        model = build_model()
-        model.model.layers[0].mlp.requires_grad_(False)
-        engine, _, _, _ = deepspeed.initialize(model=model,
-                                               config=ds_config(stage, tp_size=1),
-                                               model_parameters=trainer_param_groups(model))
-        return engine
-
     def test_partitioned_frozen_params(self, tmpdir):
         # ZeRO-3 partitions frozen parameters across the saving ranks too, in the model states files.
         folder = str(tmpdir)
-        engine = self.initialize_frozen(3)
+        engine = initialize(3, tp_size=1, frozen=True)
         train_engine(engine, 1, 1)
         engine.save_checkpoint(folder, tag=TAG)
         engine.destroy()
 
-        engine = self.initialize_frozen(2)
+        engine = initialize(2, tp_size=1, frozen=True)
         match = ("saved at ZeRO stage 3 and data-parallel size 2, at ZeRO stage 2 and data-parallel size 2: its "
                  r"frozen parameters are partitioned across the saving ranks\. Nothing was loaded; load it at ZeRO "
                  "stage 3 and data-parallel size 2")
@@ -138,7 +126,7 @@ class TestRefuse(DistributedTest):
         engine.destroy()
 
         # The checkpoint is complete: it loads at the stage that saved it.
-        engine = self.initialize_frozen(3)
+        engine = initialize(3, tp_size=1, frozen=True)
         load_path, _ = engine.load_checkpoint(folder, tag=TAG)
         assert load_path is not None and engine.global_steps == 1
         engine.destroy()

@@ -9,9 +9,10 @@ its groups' hyperparameters, its next losses); a load test resumes it and checks
 that run.
 
 Each test file names its source checkpoints in ``SOURCES`` (name: stage, tp, dp, dtype, optimizer,
-and optionally "tied" for a model whose output embeddings are its input embeddings) and saves each one by a test of its own, ``TestSave::test_ws1`` or ``TestSave::test_ws2`` (by the
-world size it is saved at), into a cache shared by the session; a load test selected without its
-source test (``-k``, another order) runs that source test first in a pytest subprocess.
+and optionally "tied" for a model whose output embeddings are its input embeddings) and saves each
+one by a test of its own, ``TestSave::test_ws1`` or ``TestSave::test_ws2`` (by the world size it is
+saved at), into a cache shared by the session; a load test selected without its source test (``-k``,
+another order) runs that source test first in a pytest subprocess.
 """
 
 import json
@@ -55,7 +56,14 @@ def client_optimizer(name, param_groups):
     return torch.optim.ASGD(param_groups, lr=LR)
 
 
-def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_universal=False, uneven=False, tied=False):
+def initialize(stage,
+               tp_size,
+               dtype=torch.float32,
+               optimizer="adam",
+               load_universal=False,
+               uneven=False,
+               tied=False,
+               frozen=False):
     groups._release_process_group_references(None)
     config = ds_config(stage, tp_size, dtype=dtype, load_universal=load_universal)
     if dtype == torch.bfloat16:
@@ -75,6 +83,9 @@ def initialize(stage, tp_size, dtype=torch.float32, optimizer="adam", load_unive
         # As Llama checkpoints with tie_word_embeddings load: one parameter for both.
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
+    if frozen:
+        # A frozen layer, as in fine-tuning some layers only.
+        model.model.layers[0].mlp.requires_grad_(False)
     # A zero-element parameter, as quantization libraries register for placeholders.
     model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
     if optimizer == "adam":

@@ -17,6 +17,7 @@ another order) runs that source test first in a pytest subprocess.
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -45,6 +46,16 @@ OPTIMIZER_STATES = {
     "asgd": ("ax", )
 }
 PLACEHOLDER = "model.norm.weight_scale"
+# The list that the paths opened by this process are added to, while a load is traced.
+_opened = None
+
+
+def _record_open(event, args):
+    if _opened is not None and event == "open" and isinstance(args[0], (str, os.PathLike)):
+        _opened.append(os.fspath(args[0]))
+
+
+sys.addaudithook(_record_open)
 
 
 def client_optimizer(name, param_groups):
@@ -164,14 +175,16 @@ def saved(request, cache):
     folder = os.path.join(cache, source)
     if not os.path.isfile(os.path.join(folder, "done.json")):
         _, tp_size, dp_size, *_ = request.module.SOURCES[source]
-        method = "test_ws1" if tp_size * dp_size == 1 else "test_ws2"
+        method = f"test_ws{tp_size * dp_size}"
         run_source_test(request, f"TestSave::{method}[{source}]", CACHE_ENV, cache, os.path.join(folder, "done.json"))
     return folder
 
 
-def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None):
+def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None):
     """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``), or
-    with ``load_universal`` its conversion in ``universal_dir``, and check the resume."""
+    with ``load_universal`` its conversion in ``universal_dir``, and check the resume. The paths that
+    this rank opens during the load are added to the list ``opened``, if given."""
+    global _opened
     saved_stage, tp_size, saved_dp_size, dtype, optimizer, *model = spec
     stage = saved_stage if stage is None else stage
     assert dist.get_world_size() == tp_size * dp_size
@@ -182,10 +195,14 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None):
                         optimizer,
                         load_universal=universal_dir is not None,
                         tied="tied" in model)
-    if universal_dir is None:
-        load_path, client_state = engine.load_checkpoint(folder, tag=TAG)
-    else:
-        load_path, client_state = engine.load_checkpoint(universal_dir, tag=UNIVERSAL_TAG)
+    _opened = opened
+    try:
+        if universal_dir is None:
+            load_path, client_state = engine.load_checkpoint(folder, tag=TAG)
+        else:
+            load_path, client_state = engine.load_checkpoint(universal_dir, tag=UNIVERSAL_TAG)
+    finally:
+        _opened = None
     assert load_path is not None
     assert client_state["epoch"] == CLIENT_STATE["epoch"]
     assert engine.global_steps == SAVE_STEPS

@@ -17,6 +17,7 @@ another order) runs that source test first in a pytest subprocess.
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -24,6 +25,8 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint.affine import ParamAffineMap
+from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -127,6 +130,41 @@ def optimizer_states(engine, optimizer):
     return states, steps
 
 
+def affine_maps(engine):
+    """``{name: ParamAffineMap}`` of the parameters that AutoTP lays out over the tensor-parallel ranks."""
+    uc_info = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO)[AFFINE_MAP][AFFINE_MAP_PARAMS]
+    return {
+        name: ParamAffineMap.from_dict(uc_info[rf"^{re.escape(name)}$"])
+        for name, _ in engine.module.named_parameters()
+    }
+
+
+def whole_states(engine, states, tp_size):
+    """``states`` of this rank's tensor-parallel shard merged with the other shards' into whole tensors."""
+    if tp_size == 1:
+        return {
+            name: {
+                key: value.flatten()
+                for key, value in param_states.items()
+            }
+            for name, param_states in states.items()
+        }
+    all_states = [None] * dist.get_world_size()
+    dist.all_gather_object(all_states, states)
+    # AutoTP groups consecutive ranks into one tensor-parallel group.
+    maps = affine_maps(engine)
+    return {
+        name: {
+            key: maps[name].rebuild({
+                rank: all_states[rank][name][key]
+                for rank in range(tp_size)
+            }).flatten()
+            for key in param_states
+        }
+        for name, param_states in states.items()
+    }
+
+
 def full_weights(engine, stage, tp_size):
     """The module's whole weights (tensor-parallel shards merged) on rank 0, None elsewhere."""
     if stage == 3 or tp_size > 1:
@@ -142,18 +180,16 @@ def save(cache, source, spec):
     stage, tp_size, dp_size, dtype, optimizer, *model = spec
     assert dist.get_world_size() == tp_size * dp_size
     folder = os.path.join(cache, source)
-    engine = initialize(stage, tp_size, dtype, optimizer, tied="tied" in model)
-    train_engine(engine, tp_size, SAVE_STEPS)
+    uneven = "uneven" in model
+    engine = initialize(stage, tp_size, dtype, optimizer, uneven=uneven, tied="tied" in model)
+    train_engine(engine, tp_size, SAVE_STEPS, uneven=uneven)
     engine.save_checkpoint(folder, tag=TAG, client_state=CLIENT_STATE)
     states, steps = optimizer_states(engine, optimizer)
     groups_saved = param_group_hyperparameters(engine)
-    losses = train_engine(engine, tp_size, RESUME_STEPS, first_step=SAVE_STEPS)
-    if dist.get_rank() < tp_size:
-        torch.save({
-            "states": states,
-            "steps": steps,
-            "param_groups": groups_saved
-        }, os.path.join(folder, f"states_tp{dist.get_rank()}.pt"))
+    losses = train_engine(engine, tp_size, RESUME_STEPS, uneven=uneven, first_step=SAVE_STEPS)
+    whole = whole_states(engine, states, tp_size)
+    if dist.get_rank() == 0:
+        torch.save({"states": whole, "steps": steps, "param_groups": groups_saved}, os.path.join(folder, "states.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "done.json"), "w") as f:
@@ -180,20 +216,23 @@ def saved(request, cache):
     return folder
 
 
-def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None):
-    """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``), or
-    with ``load_universal`` its conversion in ``universal_dir``, and check the resume. The paths that
-    this rank opens during the load are added to the list ``opened``, if given."""
+def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None, tp_size=None):
+    """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``, and
+    tensor-parallel size ``tp_size``), or with ``load_universal`` its conversion in ``universal_dir``,
+    and check the resume. The paths that this rank opens during the load are added to the list
+    ``opened``, if given."""
     global _opened
-    saved_stage, tp_size, saved_dp_size, dtype, optimizer, *model = spec
+    saved_stage, saved_tp_size, saved_dp_size, dtype, optimizer, *model = spec
     stage = saved_stage if stage is None else stage
+    tp_size = saved_tp_size if tp_size is None else tp_size
     assert dist.get_world_size() == tp_size * dp_size
-    assert dp_size != saved_dp_size or stage != saved_stage or universal_dir
+    assert dp_size != saved_dp_size or stage != saved_stage or tp_size != saved_tp_size or universal_dir
     engine = initialize(stage,
                         tp_size,
                         dtype,
                         optimizer,
                         load_universal=universal_dir is not None,
+                        uneven="uneven" in model,
                         tied="tied" in model)
     _opened = opened
     try:
@@ -208,9 +247,9 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     assert engine.global_steps == SAVE_STEPS
     assert engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1
 
-    tp_rank = groups.get_tensor_model_parallel_rank() if tp_size > 1 else 0
-    saved = torch.load(os.path.join(folder, f"states_tp{tp_rank}.pt"))
+    saved = torch.load(os.path.join(folder, "states.pt"))
     states, steps = optimizer_states(engine, optimizer)
+    states = whole_states(engine, states, tp_size)
     # SGD counts no steps.
     assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)})
     # Each group's own: weight decay on the matrices only, each group's learning rate.
@@ -228,7 +267,10 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
             expected = get_fp32_state_dict_from_zero_checkpoint(folder, tag=TAG)
         else:
             # zero_to_fp32 does not read the BF16 optimizer's checkpoints: the saved fp32 weights.
-            expected = {name: param_states["fp32"] for name, param_states in saved["states"].items()}
+            expected = {
+                name: param_states["fp32"].view(weights[name].shape)
+                for name, param_states in saved["states"].items()
+            }
             expected[PLACEHOLDER] = torch.zeros(0)
             if "tied" in model:
                 expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
@@ -238,7 +280,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
             assert torch.equal(weights[name], value.to(dtype).float()), name
     dist.barrier()
 
-    losses = train_engine(engine, tp_size, RESUME_STEPS, first_step=SAVE_STEPS)
+    losses = train_engine(engine, tp_size, RESUME_STEPS, uneven="uneven" in model, first_step=SAVE_STEPS)
     with open(os.path.join(folder, "done.json")) as f:
         uninterrupted = json.load(f)["losses"]
     # bf16 forwards of other micro-batch sizes round differently.

@@ -225,6 +225,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     saved_stage, saved_tp_size, saved_dp_size, dtype, optimizer, *model = spec
     stage = saved_stage if stage is None else stage
     tp_size = saved_tp_size if tp_size is None else tp_size
+    uneven = "uneven" in model
     assert dist.get_world_size() == tp_size * dp_size
     assert dp_size != saved_dp_size or stage != saved_stage or tp_size != saved_tp_size or universal_dir
     engine = initialize(stage,
@@ -232,7 +233,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
                         dtype,
                         optimizer,
                         load_universal=universal_dir is not None,
-                        uneven="uneven" in model,
+                        uneven=uneven,
                         tied="tied" in model)
     _opened = opened
     try:
@@ -280,7 +281,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
             assert torch.equal(weights[name], value.to(dtype).float()), name
     dist.barrier()
 
-    losses = train_engine(engine, tp_size, RESUME_STEPS, uneven="uneven" in model, first_step=SAVE_STEPS)
+    losses = train_engine(engine, tp_size, RESUME_STEPS, uneven=uneven, first_step=SAVE_STEPS)
     with open(os.path.join(folder, "done.json")) as f:
         uninterrupted = json.load(f)["losses"]
     # bf16 forwards of other micro-batch sizes round differently.

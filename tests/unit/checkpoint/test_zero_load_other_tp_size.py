@@ -10,8 +10,9 @@ the saved shards, as the tensor-parallel layouts that AutoTP records with the ch
 after the load the weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 weights and
 Adam's moments, merged over the tensor-parallel ranks, are the saved ones, each parameter group keeps
 its hyperparameters, and the next steps' losses are those of the run that saved the checkpoint and went
-on training uninterrupted. A checkpoint whose model states record no tensor-parallel layouts is refused
-before anything is loaded, naming ``ds_to_universal``.
+on training uninterrupted; so do loads that change the ZeRO stage too (tp2dp1 ZeRO-2 -> tp1dp2 ZeRO-3,
+tp1dp2 ZeRO-3 -> tp2dp1 ZeRO-1). A checkpoint whose model states record no tensor-parallel layouts is
+refused before anything is loaded, naming ``ds_to_universal``.
 
 Without the change each of these loads is refused before anything is loaded, naming
 ``ds_to_universal``.
@@ -62,6 +63,12 @@ class TestLoad(DistributedTest):
     def test_ws2(self, source, saved):
         tp_size = 3 - SOURCES[source][1]
         load_and_train(saved, SOURCES[source], dp_size=2 // tp_size, tp_size=tp_size)
+
+    @pytest.mark.parametrize("source, stage", [("stage2-tp2dp1", 3), ("stage3-tp1dp2", 1)])
+    def test_other_stage(self, source, stage, saved):
+        # A tensor-parallel size and a ZeRO stage changed at once.
+        tp_size = 3 - SOURCES[source][1]
+        load_and_train(saved, SOURCES[source], dp_size=2 // tp_size, tp_size=tp_size, stage=stage)
 
 
 class TestRefuse(DistributedTest):

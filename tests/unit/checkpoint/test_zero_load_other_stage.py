@@ -2,18 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""``engine.load_checkpoint()`` of a ZeRO checkpoint saved at another ZeRO stage (ZeRO-2 -> 3 to fit a
-longer context, 3 -> 2 for speed, 1 -> 3), at the same or another data-parallel size, loads it as it
-is, with its optimizer states: no ``ds_to_universal``, no config change. Right after the load the
-weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 master weights, Adam's
-moments and step counts are the saved ones, the LR scheduler and client state are restored, each of
-the optimizer's two parameter groups (the Hugging Face Trainer's) keeps its own hyperparameters, and
-the next steps' losses are those of the run that saved the checkpoint and went on training
-uninterrupted. Covered: 1 -> 3, 2 -> 3, 3 -> 2 and 3 -> 1 at data-parallel sizes 2 -> 2, 2 -> 1 and
-1 -> 2, in fp32 and bf16, with a model whose output embeddings are its input embeddings and one with
-a zero-element parameter. The offline path moves too: the checkpoint converted by
-``ds_to_universal`` loads at the other stage with ``load_universal``, its step counts included (a
-universal checkpoint of ZeRO-3 saves them with its global state only). A load of the weights alone
+"""``engine.load_checkpoint()`` of a ZeRO checkpoint saved at another ZeRO stage (ZeRO-2 -> 3 to fit
+a longer context, 3 -> 2 for speed, 1 -> 3), at the same or another data-parallel size, loads it as
+it is, with its optimizer states: no ``ds_to_universal``, no config change. Right after the load the
+weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 master weights, the
+optimizer's states (Adam's moments, SGD's momentum, Adagrad's sums) and step counts are the saved
+ones, the LR scheduler and client state are restored, each of the optimizer's two parameter groups
+(the Hugging Face Trainer's) keeps its own hyperparameters, and the next steps' losses are those of
+the run that saved the checkpoint and went on training uninterrupted. Covered: 1 -> 3, 2 -> 3,
+3 -> 2 and 3 -> 1 at data-parallel sizes 2 -> 2, 2 -> 1 and 1 -> 2, in fp32 and bf16, with torch's
+Adam, SGD and Adagrad, with a model whose output embeddings are its input embeddings and one with a
+zero-element parameter. The offline path moves too: the checkpoint converted by ``ds_to_universal``
+loads at the other stage with ``load_universal``, its step counts included (a universal checkpoint
+of ZeRO-3 saves them with its global state only). A load of the weights alone
 (``load_optimizer_states=False``) at another stage gives the checkpoint's weights. What cannot be
 moved (a ZeRO-3 checkpoint whose frozen parameters are partitioned across the saving ranks, into
 ZeRO-2) is refused before anything is loaded, naming both stages and data-parallel sizes.
@@ -50,6 +51,8 @@ SOURCES = {
     "stage3-tp1dp2-tied": (3, 1, 2, torch.float32, "adam", "tied"),
     "stage1-tp1dp2-bf16": (1, 1, 2, torch.bfloat16, "adam"),
     "stage3-tp1dp2-bf16": (3, 1, 2, torch.bfloat16, "adam"),
+    "stage2-tp1dp2-sgd": (2, 1, 2, torch.float32, "sgd"),
+    "stage3-tp1dp2-adagrad-tied-bf16": (3, 1, 2, torch.bfloat16, "adagrad", "tied"),
 }
 
 
@@ -74,7 +77,9 @@ class TestLoad(DistributedTest):
     @pytest.mark.parametrize("source,stage", [("stage1-tp1dp2", 3),
                                               ("stage2-tp1dp2-tied", 3), ("stage3-tp1dp2-tied", 2),
                                               ("stage3-tp1dp2-tied", 1), ("stage2-tp1dp1", 3), ("stage3-tp1dp1", 2),
-                                              ("stage1-tp1dp2-bf16", 3), ("stage3-tp1dp2-bf16", 1)])
+                                              ("stage1-tp1dp2-bf16", 3), ("stage3-tp1dp2-bf16", 1),
+                                              ("stage2-tp1dp2-sgd", 3), ("stage3-tp1dp2-adagrad-tied-bf16", 1),
+                                              ("stage3-tp1dp2-adagrad-tied-bf16", 2)])
     def test_ws2(self, source, stage, saved):
         load_and_train(saved, SOURCES[source], dp_size=2, stage=stage)
 

@@ -252,7 +252,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     states, steps = optimizer_states(engine, optimizer)
     states = whole_states(engine, states, tp_size)
     # SGD counts no steps.
-    assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)})
+    assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)}), (steps, saved["steps"])
     # Each group's own: weight decay on the matrices only, each group's learning rate.
     assert param_group_hyperparameters(engine) == saved["param_groups"]
     assert [group["weight_decay"] for group in saved["param_groups"]] == [0.1, 0.0]

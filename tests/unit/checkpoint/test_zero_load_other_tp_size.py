@@ -3,16 +3,18 @@
 
 # DeepSpeed Team
 """``engine.load_checkpoint()`` of a ZeRO checkpoint saved at another AutoTP size (``tensor_parallel.
-autotp_size``) loads it as it is, with its optimizer states, at ZeRO stages 1, 2 and 3: tp2dp1 -> tp1dp2
-and tp1dp2 -> tp2dp1, fp32 and bf16, on a model whose vocabulary and MLP width (129) split unevenly over
-2 ranks and that holds a zero-element parameter. Each rank copies its new shard of every state from
-the saved shards, as the tensor-parallel layouts that AutoTP records with the checkpoint plan it. Right
-after the load the weights are those ``zero_to_fp32`` reads from the checkpoint, the fp32 weights and
-Adam's moments, merged over the tensor-parallel ranks, are the saved ones, each parameter group keeps
-its hyperparameters, and the next steps' losses are those of the run that saved the checkpoint and went
-on training uninterrupted; so do loads that change the ZeRO stage too (tp2dp1 ZeRO-2 -> tp1dp2 ZeRO-3,
-tp1dp2 ZeRO-3 -> tp2dp1 ZeRO-1). A checkpoint whose model states record no tensor-parallel layouts is
-refused before anything is loaded, naming ``ds_to_universal``.
+autotp_size``) loads it as it is, with its optimizer states, at ZeRO stages 1, 2 and 3:
+tp2dp1 -> tp1dp2 and tp1dp2 -> tp2dp1, fp32 and bf16, on a model whose vocabulary and MLP width (129)
+split unevenly over 2 ranks and that holds a zero-element parameter. Each rank copies its new shard of
+every state from the saved shards, as the tensor-parallel layouts that AutoTP records with the
+checkpoint plan it. Right after the load the weights are those ``zero_to_fp32`` reads from the
+checkpoint, the fp32 weights and the optimizer's states (Adam's moments; SGD's momentum and Adagrad's
+sums, as client optimizers), merged over the tensor-parallel ranks, are the saved ones, each parameter
+group keeps its hyperparameters, and the next steps' losses are those of the run that saved the
+checkpoint and went on training uninterrupted; so do loads that change the ZeRO stage too (tp2dp1
+ZeRO-2 -> tp1dp2 ZeRO-3, tp1dp2 ZeRO-3 -> tp2dp1 ZeRO-1, tp2dp1 ZeRO-1 bf16 with Adagrad -> tp1dp2
+ZeRO-3). A checkpoint whose model states record no tensor-parallel layouts is refused before anything
+is loaded, naming ``ds_to_universal``.
 
 Without the change each of these loads is refused before anything is loaded, naming
 ``ds_to_universal``.
@@ -44,6 +46,8 @@ SOURCES = {
 # At bf16 with fp32 gradient accumulation ZeRO-1 runs the BF16 optimizer.
 SOURCES["stage1-tp2dp1-bf16"] = (1, 2, 1, torch.bfloat16, "adam", "uneven")
 SOURCES["stage3-tp1dp2-bf16"] = (3, 1, 2, torch.bfloat16, "adam", "uneven")
+SOURCES["stage2-tp2dp1-sgd"] = (2, 2, 1, torch.float32, "sgd", "uneven")
+SOURCES["stage1-tp2dp1-adagrad-bf16"] = (1, 2, 1, torch.bfloat16, "adagrad", "uneven")
 
 
 class TestSave(DistributedTest):
@@ -64,7 +68,8 @@ class TestLoad(DistributedTest):
         tp_size = 3 - SOURCES[source][1]
         load_and_train(saved, SOURCES[source], dp_size=2 // tp_size, tp_size=tp_size)
 
-    @pytest.mark.parametrize("source, stage", [("stage2-tp2dp1", 3), ("stage3-tp1dp2", 1)])
+    @pytest.mark.parametrize("source, stage", [("stage2-tp2dp1", 3), ("stage3-tp1dp2", 1),
+                                               ("stage1-tp2dp1-adagrad-bf16", 3)])
     def test_other_stage(self, source, stage, saved):
         # A tensor-parallel size and a ZeRO stage changed at once.
         tp_size = 3 - SOURCES[source][1]

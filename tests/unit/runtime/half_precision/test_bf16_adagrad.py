@@ -5,8 +5,10 @@
 """A bf16 job with ``torch.optim.Adagrad`` saves and resumes its checkpoints. Covered: the two
 optimizers that train bf16 weights through fp32 copies of them, the BF16 optimizer (ZeRO-1 with fp32
 gradient accumulation) and, without ZeRO, the unfused one; each with the Hugging Face Trainer's two
-parameter groups. The optimizer holds states for the fp32 copies only, and the steps after a resume
-have the losses of the run that saved the checkpoint and went on training uninterrupted.
+parameter groups and an LR scheduler built on the client optimizer, as the Trainer builds it. The
+optimizer holds states for the fp32 copies only, the scheduler sets the learning rates of the groups
+it steps, and the steps after a resume have the losses of the run that saved the checkpoint and went
+on training uninterrupted.
 
 On deepspeed 0.19.8 Adagrad, which creates its states at construction, kept those of the bf16
 weights after the optimizer replaced them with their fp32 copies: every save failed with a
@@ -38,7 +40,11 @@ def initialize(stage):
         # ZeRO-1 runs the BF16 optimizer for bf16 weights with fp32 gradient accumulation.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     optimizer = torch.optim.Adagrad(trainer_param_groups(model, no_decay_lr=LR / 2), lr=LR)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
+    # As the Hugging Face Trainer hands its schedule over: built on the client optimizer.
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           config=config,
+                                           optimizer=optimizer,
+                                           lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda _: 0.5))
     return engine
 
 
@@ -53,7 +59,8 @@ class TestBF16Adagrad(DistributedTest):
         engine = initialize(stage)
         assert type(engine.optimizer).__name__ == optimizer_class
         hyperparameters = param_group_hyperparameters(engine)
-        assert [(group["lr"], group["weight_decay"]) for group in hyperparameters] == [(LR, 0.1), (LR / 2, 0.0)]
+        # The schedule halves each group's own learning rate.
+        assert [(group["lr"], group["weight_decay"]) for group in hyperparameters] == [(LR / 2, 0.1), (LR / 4, 0.0)]
         losses = train_engine(engine, 1, SAVE_STEPS)
         engine.save_checkpoint(str(tmpdir), tag="step2")
         optimized = {param for group in engine.optimizer.optimizer.param_groups for param in group["params"]}

@@ -11,10 +11,12 @@ Hugging Face Trainer builds (weight decay on matrices, none on norm weights):
   the other groups had any: every parameter of the second group raised "exp_avg not found in
   optimizer state fragment".
 - with ``torch.optim.Adagrad`` as the client optimizer, at ZeRO-1, -2 and -3, each group keeps its
-  hyperparameters and the losses are those of ``torch.optim.Adagrad`` in one process. On deepspeed
-  0.19.8 ZeRO rebuilt Adagrad (which creates its states at construction) as one group with the
-  optimizer's defaults: the groups' hyperparameters were lost, and the first step failed with an
-  ``IndexError`` on the second group.
+  hyperparameters, an LR scheduler built on the client optimizer (as the Trainer builds it) sets
+  their learning rates, and the losses are those of ``torch.optim.Adagrad`` in one process at that
+  learning rate. On deepspeed 0.19.8 ZeRO rebuilt Adagrad (which creates its states at
+  construction) as a new optimizer of one group with the optimizer's defaults: the groups'
+  hyperparameters and the schedule were lost, and the first step failed with an ``IndexError`` on
+  the second group.
 """
 
 import pytest
@@ -66,10 +68,17 @@ class TestOptimizerParamGroups(DistributedTest):
         del config["optimizer"]
         config["zero_allow_untested_optimizer"] = True
         optimizer = torch.optim.Adagrad(trainer_param_groups(model), lr=LR)
-        engine, _, _, _ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
-        assert [group["weight_decay"] for group in param_group_hyperparameters(engine)] == [0.1, 0.0]
+        # As the Hugging Face Trainer hands its schedule over: built on the client optimizer.
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            config=config,
+            optimizer=optimizer,
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda _: 0.5))
+        assert [(group["lr"], group["weight_decay"])
+                for group in param_group_hyperparameters(engine)] == [(LR / 2, 0.1), (LR / 2, 0.0)]
         losses = train_engine(engine, 1, 3)
 
-        _, expected = train_reference(3, make_optimizer=lambda m: torch.optim.Adagrad(trainer_param_groups(m), lr=LR))
+        _, expected = train_reference(3,
+                                      make_optimizer=lambda m: torch.optim.Adagrad(trainer_param_groups(m), lr=LR / 2))
         assert losses == pytest.approx(expected, rel=1e-4)
         engine.destroy()

@@ -19,7 +19,8 @@ path, for what a load cannot reshard):
         --resume_from_checkpoint out/checkpoint-2 --load_universal
 
 The DeepSpeed config names no optimizer, so the Trainer builds its own AdamW with two parameter
-groups: ``--weight_decay`` on matrices, none on norm weights and biases.
+groups: ``--weight_decay`` on matrices, none on norm weights and biases. A resume with another
+optimizer (``--optim adagrad``) is refused, naming the states each keeps.
 
 With ``--check_resumed_weights`` the resumed run checks, before its first step, that its weights
 are those of the checkpoint (as zero_to_fp32 reads them) and that each optimizer parameter group
@@ -75,6 +76,7 @@ def main():
     parser.add_argument("--max_steps", type=int, required=True)
     parser.add_argument("--save_steps", type=int, default=2)
     parser.add_argument("--weight_decay", type=float, default=0.1)
+    parser.add_argument("--optim", help="the Trainer's optimizer, if not its default AdamW")
     parser.add_argument("--resume_from_checkpoint")
     parser.add_argument("--load_universal", action="store_true")
     parser.add_argument("--check_resumed_weights", action="store_true")
@@ -102,7 +104,8 @@ def main():
                                                    save_strategy="steps",
                                                    save_steps=args.save_steps,
                                                    logging_steps=1,
-                                                   report_to=[])
+                                                   report_to=[],
+                                                   **({"optim": args.optim} if args.optim else {}))
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(vocab_size=VOCAB,

@@ -5,7 +5,8 @@
 """docs/resume-other-topology.md, run as a user would: the Hugging Face Trainer trains on 2 ranks
 and saves, then resumes on 1 rank with the same script and config, from exactly the saved weights,
 and trains on to its next save; at ZeRO-3 also by the offline path (ds_to_universal, then
-``load_universal``), and from a ZeRO-2 checkpoint with a ZeRO-3 config. With
+``load_universal``), and from a ZeRO-2 checkpoint with a ZeRO-3 config, which is refused with
+another optimizer (Adagrad) than the Trainer's AdamW that saved it. With
 ``"checkpoint": {"async_save": true}`` in the Trainer's config the same script saves in the
 background and resumes the same way (docs/checkpoint-safety.md).
 
@@ -26,15 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "trainer_resume_other_world_size" / "train.py"
 
 
-def run(*command):
+def run(*command, succeeds=True):
     proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout
+    assert (proc.returncode == 0) == succeeds, proc.stdout
     return proc.stdout
 
 
-def deepspeed_launcher(num_ranks, *args):
-    return run(sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(num_ranks),
-               "--master_port", str(get_master_port()), str(TRAIN), *args)
+def deepspeed_launcher(num_ranks, *args, succeeds=True):
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(num_ranks)]
+    return run(*launcher, "--master_port", str(get_master_port()), str(TRAIN), *args, succeeds=succeeds)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
@@ -72,6 +73,14 @@ def test_trainer_resumes_at_another_zero_stage(tmp_path):
     assert "resumed weights match" in log, log
     assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"
     assert os.path.isfile(out / "checkpoint-4" / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+    # The same resume with another optimizer: refused, as the saved moments would not go on.
+    other = tmp_path / "adagrad"
+    resume = ["--zero_stage", "3", "--max_steps", "4", "--resume_from_checkpoint", out / "checkpoint-2"]
+    log = deepspeed_launcher(1, "--output_dir", other, *resume, "--optim", "adagrad", succeeds=False)
+    assert ("Cannot load the checkpoint's optimizer states into this Adagrad optimizer: for each element of parameter "
+            "group 0 the checkpoint holds exp_avg, exp_avg_sq, and Adagrad keeps sum") in log, log
+    assert not os.path.exists(other / "checkpoint-4")
 
 
 def test_trainer_saves_in_the_background_and_resumes(tmp_path):

@@ -28,7 +28,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.common import DistributedTest
 from unit.checkpoint.autotp_common import convert_to_universal_checkpoint, param_group_hyperparameters
 from unit.checkpoint import zero_load_common
-from unit.checkpoint.zero_load_common import TAG, UNIVERSAL_TAG, initialize, save
+from unit.checkpoint.zero_load_common import OPTIMIZER_STATES, TAG, UNIVERSAL_TAG, initialize, save
 
 # The fixtures: the folder the source checkpoints are saved in, once per session, and a test's source.
 cache = zero_load_common.cache
@@ -42,8 +42,7 @@ SOURCES = {
     "stage3-tp1dp2-adagrad": (3, 1, 2, torch.float32, "adagrad"),
     "stage1-tp1dp2-sgd-bf16": (1, 1, 2, torch.bfloat16, "sgd"),
 }
-# The states each optimizer keeps per element, and its class.
-KEPT_STATES = {"adam": "exp_avg, exp_avg_sq", "sgd": "momentum_buffer", "adagrad": "sum"}
+# Each optimizer's class.
 OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD", "adagrad": "Adagrad"}
 
 
@@ -102,9 +101,10 @@ def assert_other_optimizer_refused(folder, spec, stage, optimizer, load_universa
     hyperparameters = param_group_hyperparameters(engine)
     states = base_optimizer_states(engine)
     name = OPTIMIZER_NAMES[optimizer]
+    saved_names, kept_names = (", ".join(OPTIMIZER_STATES[key]) for key in (saved_optimizer, optimizer))
     match = (rf"into this {name} optimizer: for each element of parameter group 0 the checkpoint holds "
-             rf"{KEPT_STATES[saved_optimizer]}, and {name} keeps {KEPT_STATES[optimizer]}, so the saved run would "
-             r"not go on\. .* The optimizer states were not loaded")
+             rf"{saved_names}, and {name} keeps {kept_names}, so the saved run would not go on\. .* The optimizer "
+             r"states were not loaded")
     with pytest.raises(ZeRORuntimeException, match=match):
         engine.load_checkpoint(folder, tag=UNIVERSAL_TAG if load_universal else TAG)
     assert param_group_hyperparameters(engine) == hyperparameters

@@ -173,6 +173,9 @@ def main():
     if args.load_other_size is not None:
         tag, ranks = args.load_other_size
         print(json.dumps(load_other_size(tag, int(ranks), args.plan)))
+        # Left to exit, the process can abort in teardown ("terminate called without an active
+        # exception") after it has finished.
+        deepspeed.comm.destroy_process_group()
         return
 
     print("| ranks | files checked by rank 0 | opens per rank | time per rank, ms: median (runs) |")
@@ -208,6 +211,7 @@ def main():
                 files, opens, nbytes, elapsed = json.loads(out.strip().splitlines()[-1])
                 print(f"| {ranks} | {label} | {files} | {opens} | {nbytes / 2**20:.2f} MiB | {elapsed:.0f} |",
                       flush=True)
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ def main():
         else:
             raise SystemExit(f"unknown mode {mode}")
     print(f"OK {mode} deepspeed {deepspeed.__version__}")
+    # Shut the process group down before the interpreter does: left to exit, the process can abort in
+    # teardown ("terminate called without an active exception") after it has finished.
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

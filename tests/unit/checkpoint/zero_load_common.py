@@ -44,6 +44,7 @@ CACHE_ENV = "DS_TEST_ZERO_OTHER_DP_CACHE"
 # not a step count ("eta", "mu"), which a load at another data-parallel size does not restore.
 OPTIMIZER_STATES = {
     "adam": ("exp_avg", "exp_avg_sq"),
+    "cpu_adam": ("exp_avg", "exp_avg_sq"),
     "sgd": ("momentum_buffer", ),
     "adagrad": ("sum", ),
     "asgd": ("ax", )
@@ -102,7 +103,11 @@ def initialize(stage,
         model.model.layers[0].mlp.requires_grad_(False)
     # A zero-element parameter, as quantization libraries register for placeholders.
     model.model.norm.register_parameter(PLACEHOLDER.split(".")[-1], torch.nn.Parameter(torch.zeros(0, dtype=dtype)))
-    if optimizer == "adam":
+    if optimizer == "cpu_adam":
+        # DeepSpeed's CPU Adam: what the same config builds with the optimizer offloaded.
+        del config["optimizer"]["params"]["torch_adam"]
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if optimizer in ("adam", "cpu_adam"):
         engine, _, _, _ = deepspeed.initialize(model=model,
                                                config=config,
                                                model_parameters=trainer_param_groups(model))
@@ -119,6 +124,10 @@ def optimizer_states(engine, optimizer):
     """Every parameter's fp32 weights and the states ``optimizer`` keeps per element, gathered across
     the data-parallel ranks (this rank's tensor-parallel shard of them), and the optimizer's step
     counts."""
+    if getattr(engine.optimizer, "_hp_optimizer_states_linked", True) is False:
+        # ZeRO-1/2 link each parameter to its optimizer states at the first step, and a load at the
+        # saved topology leaves them unlinked until then.
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     states = {}
     for name, param in engine.module.named_parameters():
         if getattr(param, "ds_numel", param.numel()) == 0:
@@ -216,18 +225,20 @@ def saved(request, cache):
     return folder
 
 
-def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None, tp_size=None):
+def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None, tp_size=None, optimizer=None):
     """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``, and
-    tensor-parallel size ``tp_size``), or with ``load_universal`` its conversion in ``universal_dir``,
-    and check the resume. The paths that this rank opens during the load are added to the list
-    ``opened``, if given."""
+    tensor-parallel size ``tp_size``, and with the optimizer ``optimizer``), or with ``load_universal``
+    its conversion in ``universal_dir``, and check the resume. The paths that this rank opens during
+    the load are added to the list ``opened``, if given."""
     global _opened
-    saved_stage, saved_tp_size, saved_dp_size, dtype, optimizer, *model = spec
+    saved_stage, saved_tp_size, saved_dp_size, dtype, saved_optimizer, *model = spec
     stage = saved_stage if stage is None else stage
     tp_size = saved_tp_size if tp_size is None else tp_size
+    optimizer = saved_optimizer if optimizer is None else optimizer
     uneven = "uneven" in model
     assert dist.get_world_size() == tp_size * dp_size
-    assert dp_size != saved_dp_size or stage != saved_stage or tp_size != saved_tp_size or universal_dir
+    assert (dp_size != saved_dp_size or stage != saved_stage or tp_size != saved_tp_size or universal_dir
+            or optimizer != saved_optimizer)
     engine = initialize(stage,
                         tp_size,
                         dtype,
@@ -254,7 +265,14 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     # SGD counts no steps.
     assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)}), (steps, saved["steps"])
     # Each group's own: weight decay on the matrices only, each group's learning rate.
-    assert param_group_hyperparameters(engine) == saved["param_groups"]
+    hyperparameters = param_group_hyperparameters(engine)
+    if optimizer != saved_optimizer:
+        # A setting that the saving optimizer had not (CPU Adam's bias_correction) keeps this one's.
+        hyperparameters = [{
+            key: group[key]
+            for key in saved_group
+        } for group, saved_group in zip(hyperparameters, saved["param_groups"])]
+    assert hyperparameters == saved["param_groups"]
     assert [group["weight_decay"] for group in saved["param_groups"]] == [0.1, 0.0]
     assert saved["param_groups"][0]["lr"] == 2 * saved["param_groups"][1]["lr"] > 0
     assert sorted(states) == sorted(saved["states"])

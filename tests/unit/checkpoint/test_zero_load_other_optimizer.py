@@ -7,9 +7,11 @@ before the optimizer states are loaded, naming the states that each keeps per el
 run's moments would not go on. torch's SGD with momentum and Adagrad, the client optimizers of a
 training script, with the Hugging Face Trainer's two parameter groups, saved at ZeRO-1 (bf16), -2
 and -3 on 2 ranks: Adagrad's states into SGD, SGD's into Adagrad or Adam, on the same 2 ranks, on 1,
-at another ZeRO stage and from the universal checkpoint that ``ds_to_universal`` writes. The
-optimizer keeps its own states and hyperparameters. The same optimizer with other settings (SGD
-without momentum) loads, and the saved hyperparameters come back.
+at another ZeRO stage and from the universal checkpoint that ``ds_to_universal`` writes; and
+the checkpoint of SGD without momentum, which keeps no state, into Adam or Adagrad on 1 rank (the
+run's step counts say that it took steps). The optimizer keeps its own states and hyperparameters.
+The same optimizer with other settings (SGD without momentum) loads, and the saved hyperparameters
+come back; and so does SGD without momentum on 1 rank.
 
 Before, each of these loads succeeded. On the same ranks (deepspeed 0.19.8 too) torch's
 ``load_state_dict`` put the saved states in place of the optimizer's own, and its next step failed
@@ -28,7 +30,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.common import DistributedTest
 from unit.checkpoint.autotp_common import convert_to_universal_checkpoint, param_group_hyperparameters
 from unit.checkpoint import zero_load_common
-from unit.checkpoint.zero_load_common import OPTIMIZER_STATES, TAG, UNIVERSAL_TAG, initialize, save
+from unit.checkpoint.zero_load_common import OPTIMIZER_STATES, TAG, UNIVERSAL_TAG, initialize, load_and_train, save
 
 # The fixtures: the folder the source checkpoints are saved in, once per session, and a test's source.
 cache = zero_load_common.cache
@@ -41,9 +43,10 @@ SOURCES = {
     "stage3-tp1dp2-sgd": (3, 1, 2, torch.float32, "sgd"),
     "stage3-tp1dp2-adagrad": (3, 1, 2, torch.float32, "adagrad"),
     "stage1-tp1dp2-sgd-bf16": (1, 1, 2, torch.bfloat16, "sgd"),
+    "stage2-tp1dp2-plain_sgd": (2, 1, 2, torch.float32, "plain_sgd"),
 }
 # Each optimizer's class.
-OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD", "adagrad": "Adagrad"}
+OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD", "plain_sgd": "SGD", "adagrad": "Adagrad"}
 
 
 class TestSave(DistributedTest):
@@ -71,9 +74,15 @@ class TestLoad(DistributedTest):
         ("stage2-tp1dp2-adagrad", 2, "sgd"),
         ("stage3-tp1dp2-sgd", 3, "adagrad"),
         ("stage2-tp1dp2-sgd", 3, "adam"),
+        ("stage2-tp1dp2-plain_sgd", 2, "adam"),
+        ("stage2-tp1dp2-plain_sgd", 3, "adagrad"),
     ])
     def test_ws1(self, source, stage, optimizer, saved):
         assert_other_optimizer_refused(saved, SOURCES[source], stage, optimizer)
+
+    @pytest.mark.parametrize("source", ["stage2-tp1dp2-plain_sgd"])
+    def test_plain_sgd(self, source, saved):
+        load_and_train(saved, SOURCES[source], dp_size=1)
 
     @pytest.mark.parametrize("source", ["stage2-tp1dp2-adagrad"])
     def test_universal(self, source, saved, tmpdir):
@@ -101,7 +110,7 @@ def assert_other_optimizer_refused(folder, spec, stage, optimizer, load_universa
     hyperparameters = param_group_hyperparameters(engine)
     states = base_optimizer_states(engine)
     name = OPTIMIZER_NAMES[optimizer]
-    saved_names, kept_names = (", ".join(OPTIMIZER_STATES[key]) for key in (saved_optimizer, optimizer))
+    saved_names, kept_names = (", ".join(OPTIMIZER_STATES[key]) or "none" for key in (saved_optimizer, optimizer))
     match = (rf"into this {name} optimizer: for each element of parameter group 0 the checkpoint holds "
              rf"{saved_names}, and {name} keeps {kept_names}, so the saved run would not go on\. .* The optimizer "
              r"states were not loaded")

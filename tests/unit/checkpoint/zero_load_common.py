@@ -46,6 +46,7 @@ OPTIMIZER_STATES = {
     "adam": ("exp_avg", "exp_avg_sq"),
     "cpu_adam": ("exp_avg", "exp_avg_sq"),
     "sgd": ("momentum_buffer", ),
+    "plain_sgd": (),
     "adagrad": ("sum", ),
     "asgd": ("ax", )
 }
@@ -66,6 +67,8 @@ def client_optimizer(name, param_groups):
     """``name``'s torch optimizer, as a training script builds it and hands it to deepspeed.initialize."""
     if name == "sgd":
         return torch.optim.SGD(param_groups, lr=LR, momentum=0.9)
+    if name == "plain_sgd":
+        return torch.optim.SGD(param_groups, lr=LR)
     if name == "adagrad":
         return torch.optim.Adagrad(param_groups, lr=LR)
     return torch.optim.ASGD(param_groups, lr=LR)
@@ -263,7 +266,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     states, steps = optimizer_states(engine, optimizer)
     states = whole_states(engine, states, tp_size)
     # SGD counts no steps.
-    assert steps == saved["steps"] == (set() if optimizer == "sgd" else {float(SAVE_STEPS)}), (steps, saved["steps"])
+    assert steps == saved["steps"] == (set() if "sgd" in optimizer else {float(SAVE_STEPS)}), (steps, saved["steps"])
     # Each group's own: weight decay on the matrices only, each group's learning rate.
     hyperparameters = param_group_hyperparameters(engine)
     if optimizer != saved_optimizer:

@@ -5,9 +5,10 @@
 """A ZeRO checkpoint resumes with the optimizer offloaded to the CPU, or no longer offloaded, as users
 switch ``offload_optimizer`` on to fit a larger model, or off for speed, between runs: DeepSpeed's CPU
 Adam resumes the checkpoint of torch's Adam on the same 2 ranks, and torch's Adam that of CPU Adam on
-1 rank, at ZeRO-2 and -3, with the Hugging Face Trainer's two parameter groups. Right after the load
-the gathered optimizer states, the step counts and each group's saved hyperparameters are the saved
-ones, and the next losses are those of the run that went on uninterrupted.
+1 rank, at ZeRO-2 and -3, with the Hugging Face Trainer's two parameter groups (and at ZeRO-3 in
+bf16 with tied input and output embeddings, into CPU Adam). Right after the load the gathered
+optimizer states, the step counts and each group's saved hyperparameters are the saved ones, and
+the next losses are those of the run that went on uninterrupted.
 
 Before, each of these loads succeeded and the next step failed. On the same ranks (deepspeed 0.19.8
 too) torch's ``load_state_dict`` put torch's Adam's groups in place of CPU Adam's, which then had no
@@ -34,6 +35,8 @@ SOURCES = {
     for stage in (2, 3)
     for optimizer in ("adam", "cpu_adam")
 }
+# bf16, with the output embeddings tied to the input embeddings.
+SOURCES["stage3-tp1dp2-adam-tied-bf16"] = (3, 1, 2, torch.bfloat16, "adam", "tied")
 
 
 class TestSave(DistributedTest):
@@ -44,7 +47,7 @@ class TestSave(DistributedTest):
     def test_ws2(self, source, cache):
         save(cache, source, SOURCES[source])
 
-    @pytest.mark.parametrize("source", ["stage2-tp1dp2-adam", "stage3-tp1dp2-adam"])
+    @pytest.mark.parametrize("source", ["stage2-tp1dp2-adam", "stage3-tp1dp2-adam", "stage3-tp1dp2-adam-tied-bf16"])
     def test_offload_on(self, source, saved):
         load_and_train(saved, SOURCES[source], dp_size=2, optimizer="cpu_adam")
 

@@ -127,10 +127,6 @@ def optimizer_states(engine, optimizer):
     """Every parameter's fp32 weights and the states ``optimizer`` keeps per element, gathered across
     the data-parallel ranks (this rank's tensor-parallel shard of them), and the optimizer's step
     counts."""
-    if getattr(engine.optimizer, "_hp_optimizer_states_linked", True) is False:
-        # ZeRO-1/2 link each parameter to its optimizer states at the first step, and a load at the
-        # saved topology leaves them unlinked until then.
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
     states = {}
     for name, param in engine.module.named_parameters():
         if getattr(param, "ds_numel", param.numel()) == 0:

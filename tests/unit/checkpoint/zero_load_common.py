@@ -81,7 +81,8 @@ def initialize(stage,
                load_universal=False,
                uneven=False,
                tied=False,
-               frozen=False):
+               frozen=False,
+               param_groups=trainer_param_groups):
     groups._release_process_group_references(None)
     config = ds_config(stage, tp_size, dtype=dtype, load_universal=load_universal)
     if dtype == torch.bfloat16:
@@ -111,15 +112,13 @@ def initialize(stage,
         del config["optimizer"]["params"]["torch_adam"]
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if optimizer in ("adam", "cpu_adam"):
-        engine, _, _, _ = deepspeed.initialize(model=model,
-                                               config=config,
-                                               model_parameters=trainer_param_groups(model))
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=param_groups(model))
     else:
         del config["optimizer"]
         config["zero_allow_untested_optimizer"] = True
         engine, _, _, _ = deepspeed.initialize(model=model,
                                                config=config,
-                                               optimizer=client_optimizer(optimizer, trainer_param_groups(model)))
+                                               optimizer=client_optimizer(optimizer, param_groups(model)))
     return engine
 
 
@@ -224,11 +223,20 @@ def saved(request, cache):
     return folder
 
 
-def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened=None, tp_size=None, optimizer=None):
+def load_and_train(folder,
+                   spec,
+                   dp_size,
+                   universal_dir=None,
+                   stage=None,
+                   opened=None,
+                   tp_size=None,
+                   optimizer=None,
+                   param_groups=None):
     """Load the source checkpoint ``spec`` saved in ``folder`` at ``dp_size`` (and ZeRO ``stage``, and
-    tensor-parallel size ``tp_size``, and with the optimizer ``optimizer``), or with ``load_universal``
-    its conversion in ``universal_dir``, and check the resume. The paths that this rank opens during
-    the load are added to the list ``opened``, if given."""
+    tensor-parallel size ``tp_size``, and with the optimizer ``optimizer`` and the parameter groups
+    that ``param_groups(model)`` builds), or with ``load_universal`` its conversion in
+    ``universal_dir``, and check the resume. The paths that this rank opens during the load are added
+    to the list ``opened``, if given."""
     global _opened
     saved_stage, saved_tp_size, saved_dp_size, dtype, saved_optimizer, *model = spec
     stage = saved_stage if stage is None else stage
@@ -237,14 +245,15 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     uneven = "uneven" in model
     assert dist.get_world_size() == tp_size * dp_size
     assert (dp_size != saved_dp_size or stage != saved_stage or tp_size != saved_tp_size or universal_dir
-            or optimizer != saved_optimizer)
+            or optimizer != saved_optimizer or param_groups)
     engine = initialize(stage,
                         tp_size,
                         dtype,
                         optimizer,
                         load_universal=universal_dir is not None,
                         uneven=uneven,
-                        tied="tied" in model)
+                        tied="tied" in model,
+                        param_groups=param_groups or trainer_param_groups)
     _opened = opened
     try:
         if universal_dir is None:
@@ -258,11 +267,7 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     assert engine.global_steps == SAVE_STEPS
     assert engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1
 
-    saved = torch.load(os.path.join(folder, "states.pt"))
-    states, steps = optimizer_states(engine, optimizer)
-    states = whole_states(engine, states, tp_size)
-    # SGD counts no steps.
-    assert steps == saved["steps"] == (set() if "sgd" in optimizer else {float(SAVE_STEPS)}), (steps, saved["steps"])
+    saved = assert_states_saved(engine, folder, optimizer, tp_size)
     # Each group's own: weight decay on the matrices only, each group's learning rate.
     hyperparameters = param_group_hyperparameters(engine)
     if optimizer != saved_optimizer:
@@ -274,10 +279,6 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     assert hyperparameters == saved["param_groups"]
     assert [group["weight_decay"] for group in saved["param_groups"]] == [0.1, 0.0]
     assert saved["param_groups"][0]["lr"] == 2 * saved["param_groups"][1]["lr"] > 0
-    assert sorted(states) == sorted(saved["states"])
-    for name, param_states in states.items():
-        for key, value in param_states.items():
-            assert torch.equal(value, saved["states"][name][key]), f"{name} {key}"
 
     weights = full_weights(engine, stage, tp_size)
     if dist.get_rank() == 0:
@@ -304,6 +305,21 @@ def load_and_train(folder, spec, dp_size, universal_dir=None, stage=None, opened
     # bf16 forwards of other micro-batch sizes round differently.
     assert losses == pytest.approx(uninterrupted, rel=1e-5 if dtype == torch.float32 else 1e-2)
     engine.destroy()
+
+
+def assert_states_saved(engine, folder, optimizer, tp_size=1):
+    """Right after a load, the gathered fp32 weights and optimizer states of each parameter and the
+    step counts are those saved in ``folder``; returns what was saved."""
+    saved = torch.load(os.path.join(folder, "states.pt"))
+    states, steps = optimizer_states(engine, optimizer)
+    states = whole_states(engine, states, tp_size)
+    # SGD counts no steps.
+    assert steps == saved["steps"] == (set() if "sgd" in optimizer else {float(SAVE_STEPS)}), (steps, saved["steps"])
+    assert sorted(states) == sorted(saved["states"])
+    for name, param_states in states.items():
+        for key, value in param_states.items():
+            assert torch.equal(value, saved["states"][name][key]), f"{name} {key}"
+    return saved
 
 
 def assert_refused(engine, folder, match, tag=TAG):

@@ -104,7 +104,8 @@ LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_other_stage", "load_uni
 # fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
 # fork-unverified: the fork without its CRC-32 check (``--no_verify_crc32``, ``"checkpoint": {"verify_crc32": false}``).
 # fork-async: save_checkpoint in the background (``"checkpoint": {"async_save": true}``).
-VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync", "fork-unverified", "fork-async")
+# fork-base: the fork from the tree ``--base-tree`` names (the series before a change), beside ``fork``.
+VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync", "fork-unverified", "fork-async", "fork-base")
 VARIANT_FLAGS = {
     "fork-trusting": ["--no_weights_only"],
     "fork-no-fsync": ["--no_fsync"],
@@ -346,7 +347,9 @@ def report_slowest(key, phase, call):
 
 def save_worker(kind, scale, save_dir, fsync, async_save=False):
     """One rank of a training job that trains one step and saves (topology of the checkpoint ``kind``);
-    prints the wall time of ``save_checkpoint`` alone, the slowest rank's. With ``async_save`` it saves
+    prints the wall time of ``save_checkpoint`` alone, the slowest rank's (``save_s``), then saves the
+    same tag again, as Lightning saves its "checkpoint", and prints that time too (``resave_s``). With
+    ``async_save`` it saves
     twice and times both saves: how long the call blocks (``save_s``), and until `latest` names the tag
     (``durable_s``: the call and the background writes); the second save reuses the first one's host
     buffers, as every save of a run after its first does. No step runs between the saves: one would
@@ -368,10 +371,22 @@ def save_worker(kind, scale, save_dir, fsync, async_save=False):
         engine.step()
 
     train_step()
-    if not async_save:
-        report_slowest("save_s", "saved", lambda: engine.save_checkpoint(save_dir, tag="step1"))
-        return
     times = {}
+    if not async_save:
+        for key in ("save_s", "resave_s"):
+            dist.barrier()
+            start = time.perf_counter()
+            engine.save_checkpoint(save_dir, tag="step1")
+            times[key] = time.perf_counter() - start
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, times)
+        log_memory("saved")
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({key: max(rank_times[key] for rank_times in gathered)
+                                          for key in times}),
+                  flush=True)
+        dist.destroy_process_group()
+        return
     for tag in ("step1", "step2"):
         dist.barrier()
         start = time.perf_counter()
@@ -752,6 +767,10 @@ def main():
                         metavar="[TOOL=]PATH",
                         help="run the fork variant from this source tree instead of building it from patches/ "
                         "(repeatable; TOOL= limits it to zero_to_fp32 or ds_to_universal)")
+    parser.add_argument("--base-tree",
+                        metavar="PATH",
+                        help="the source tree of the fork-base variant, e.g. a patch-queue worktree at the commit "
+                        "before a change, to measure the change's cost beside the fork")
     parser.add_argument("--save-with",
                         choices=DEFAULT_VARIANTS,
                         default="upstream",
@@ -811,6 +830,8 @@ def main():
         if name not in VARIANTS:
             sys.exit(f"--variants: unknown variant {name!r}")
     fork_trees = parse_fork_trees(args.fork_tree)
+    if ("fork-base" in variants) != (args.base_tree is not None):
+        sys.exit("--variants fork-base and --base-tree go together")
     workdir = Path(args.work_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     built = prepare_trees(workdir / "trees")
@@ -818,7 +839,7 @@ def main():
     runs_dir = workdir / "runs"
     shutil.rmtree(runs_dir, ignore_errors=True)
     runs_dir.mkdir()
-    descriptions = {tree: tree_description(tree) for tree in set(fork_trees.values())}
+    descriptions = {tree: tree_description(tree) for tree in set(fork_trees.values()) | {args.base_tree} if tree}
     snapshots = {}
     for tree in descriptions:
         # A snapshot: a tree someone works in may change while the repeats run.
@@ -829,11 +850,14 @@ def main():
                         symlinks=True,
                         ignore=shutil.ignore_patterns(".git", "build", "dist", "__pycache__", "*.egg-info"))
     fork_trees = {tool: snapshots[tree] for tool, tree in fork_trees.items()}
+    base_tree = snapshots.get(args.base_tree)
     descriptions = {snapshots[tree]: f"{text} (snapshot: {snapshots[tree]})" for tree, text in descriptions.items()}
     trees = {tool: {"upstream": built["upstream"], "fork": fork_trees.get(tool, built["fork"])} for tool in TOOLS}
     for tool in TOOLS:
         for variant in VARIANT_FLAGS:
             trees[tool][variant] = trees[tool]["fork"]
+        if base_tree is not None:
+            trees[tool]["fork-base"] = base_tree
     head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h"], stdout=subprocess.PIPE,
                           text=True).stdout.strip()
     built_description = {

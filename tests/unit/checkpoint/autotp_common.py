@@ -170,6 +170,14 @@ def convert_to_universal_checkpoint(input_folder, output_folder):
                            inject_missing_state=False))
 
 
+def forget_saved_files(tag_dir):
+    """Remove the record of which files the save of the tag in ``tag_dir`` wrote, if it has one, as for
+    a checkpoint whose files were changed by hand: loads refuse a file that is not the one saved."""
+    manifest = os.path.join(tag_dir, "checkpoint_manifest.json")
+    if os.path.exists(manifest):
+        os.remove(manifest)
+
+
 def run_source_test(request, node, cache_env, cache, done_file):
     """Run the test ``node`` of this test's file (one that saves a source checkpoint into the session's
     ``cache``) in a pytest subprocess, for a test selected without it; ``done_file`` is what it writes

@@ -28,7 +28,8 @@ import deepspeed.comm as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import build_model, ds_config, initialize, train_engine, train_reference
+from unit.checkpoint.autotp_common import (build_model, ds_config, forget_saved_files, initialize, train_engine,
+                                           train_reference)
 
 STEPS = 2
 TAG = "step2"
@@ -117,6 +118,7 @@ def assert_refuses_fused_qkv(save_dir):
             model_state = torch.load(path, weights_only=False)
             model_state["universal_checkpoint_info"]["autotp_unsupported_parameter_patterns"] = {pattern: reason}
             torch.save(model_state, path)
+    forget_saved_files(tag_dir)
     with pytest.raises(ValueError, match="cannot consolidate this AutoTP checkpoint.*q_proj.*fused qkv layout"):
         get_fp32_state_dict_from_zero_checkpoint(copy, tag=TAG)
 

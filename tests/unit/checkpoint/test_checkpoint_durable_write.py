@@ -116,6 +116,8 @@ class TestDurableSave:
         calls = traced_save(save_dir, fsync=False)
         assert not [call for call in calls if call[1] in ("fsync", "fdatasync")]
         renamed = [os.path.basename(paths[-1]) for _, name, paths in calls if name.startswith("rename")]
+        # The rank files, the record of which files the save wrote (when the engine records it), latest.
+        renamed = [name for name in renamed if name != "checkpoint_manifest.json"]
         assert renamed.count("latest") == 1 and len(renamed) == 4, renamed
         assert renamed[-1] == "latest"
 

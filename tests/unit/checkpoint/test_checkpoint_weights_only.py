@@ -35,6 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from unit.checkpoint.autotp_common import forget_saved_files
 from unit.common import DistributedTest
 
 SEQ_LEN = 8
@@ -131,6 +132,7 @@ def plant_payload(tag_dir, file_name, marker):
     state = torch.load(path, weights_only=False)
     state["payload"] = Payload(marker)
     torch.save(state, path)
+    forget_saved_files(tag_dir)
 
 
 def rank_file_names(zero_stage):

@@ -32,6 +32,7 @@ import torch
 
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS
 
+from unit.checkpoint.autotp_common import forget_saved_files
 from unit.common import DistributedTest
 from unit.checkpoint import zero_load_common
 from unit.checkpoint.zero_load_common import (TAG, assert_refused, initialize, load_and_train, save)
@@ -94,6 +95,7 @@ class TestRefuse(DistributedTest):
             state = torch.load(path, weights_only=False)
             del state[OPTIMIZER_STATE_DICT][PARAM_SLICE_MAPPINGS]
             torch.save(state, path)
+        forget_saved_files(os.path.join(folder, TAG))
         engine = initialize(1, tp_size=1)
         match = f"lacks the metadata to reshard .*records no {PARAM_SLICE_MAPPINGS}.*"
         assert_refused(engine, folder, match + "load it at data-parallel size 2")

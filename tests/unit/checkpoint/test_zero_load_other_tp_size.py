@@ -30,6 +30,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import AFFINE_MAP, UNIVERSAL_CHECKPOINT_INFO
 
+from unit.checkpoint.autotp_common import forget_saved_files
 from unit.common import DistributedTest
 from unit.checkpoint import zero_load_common
 from unit.checkpoint.zero_load_common import TAG, assert_refused, initialize, load_and_train, save
@@ -89,6 +90,7 @@ class TestRefuse(DistributedTest):
                 state = torch.load(path, weights_only=False)
                 del state[UNIVERSAL_CHECKPOINT_INFO][AFFINE_MAP]
                 torch.save(state, path)
+            forget_saved_files(os.path.join(folder, TAG))
         dist.barrier()
         engine = initialize(2, tp_size=1, uneven=True)
         match = (r"saved at tensor-parallel size 2 and data-parallel size 1, at tensor-parallel size 1 and "

@@ -1,0 +1,259 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""A checkpoint tag holds one save or is refused: files of two saves are never loaded together.
+
+PyTorch Lightning's DeepSpeed strategy saves every checkpoint under the tag ``checkpoint`` (its
+``last.ckpt`` is saved again and again), and many scripts keep one tag such as ``last``. A 2-rank
+job saves the tag that ``latest`` names again, and rank 0 is SIGKILLed at its first rename of a file
+of that save, once rank 1 has renamed its new optimizer file into the tag: the next job's
+``load_checkpoint`` must refuse the tag on every rank, naming the save that did not finish, with the
+engine's weights unchanged, and ``ds_verify_checkpoint`` must report it; at ZeRO-2 and ZeRO-3, with
+synchronous and background saves. A tag saved again to the end loads the last save; a file put back
+from the earlier save (a copy that mixed two saves) is refused by name. ``ds_verify_checkpoint``
+checks a tag that records its files without unpickling anything, so a ``client_state`` with a class
+of the user's passes.
+
+This file is also the job: ``python -m torch.distributed.run ... test_checkpoint_resave_tag.py``.
+"""
+
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.checkpoint.verify_checkpoint import main as verify_checkpoint
+
+from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize, say, train_step
+from unit.common import DistributedTest
+
+KILLED = [(2, False), (3, False), (2, True), (3, True)]
+OTHER_RANKS_OPTIMIZER_FILE = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+# Where a save records the files it wrote.
+MANIFEST = "checkpoint_manifest.json"
+
+
+class RunConfig:
+    """What a training script may keep in ``client_state``: a class of its own."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def ds_verify_checkpoint(*args):
+    output = io.StringIO()
+    with redirect_stdout(output):
+        returncode = verify_checkpoint(list(args))
+    return returncode, output.getvalue()
+
+
+def assert_same_weights(engine, expected):
+    actual = full_weights(engine)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+class TestCheckpointResaveTag(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_tag_saved_again_loads_its_last_save(self, stage, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(stage)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint", client_state={"config": RunConfig("run")})
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint", client_state={"config": RunConfig("run")})
+        weights = full_weights(engine)
+
+        fresh = initialize(stage)
+        torch.serialization.add_safe_globals([RunConfig])
+        load_path, client_state = fresh.load_checkpoint(save_dir)
+        assert client_state["config"].name == "run"
+        assert_same_weights(fresh, weights)
+        assert fresh.global_steps == engine.global_steps
+        dist.barrier()
+        if dist.get_rank() == 0:
+            # Nothing is unpickled to learn the topology: the user's class needs no admission.
+            torch.serialization.clear_safe_globals()
+            returncode, output = ds_verify_checkpoint(save_dir)
+            assert returncode == 0 and output.startswith(f"checkpoint: OK, {3 if stage == 2 else 4} files"), output
+        dist.barrier()
+
+    def test_file_of_an_earlier_save_is_refused(self, stage, tmpdir):
+        save_dir = str(tmpdir)
+        folder = os.path.join(save_dir, "checkpoint")
+        engine = initialize(stage)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint")
+        if dist.get_rank() == 1:
+            shutil.copy(os.path.join(folder, OTHER_RANKS_OPTIMIZER_FILE), str(tmpdir.join("earlier")))
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint")
+        # A copy that put one file of the earlier save back.
+        if dist.get_rank() == 1:
+            shutil.copy(str(tmpdir.join("earlier")), os.path.join(folder, OTHER_RANKS_OPTIMIZER_FILE))
+        dist.barrier()
+
+        fresh = initialize(stage)
+        weights = full_weights(fresh)
+        with pytest.raises(ValueError) as refusal:
+            fresh.load_checkpoint(save_dir)
+        assert (f"{os.path.join(folder, OTHER_RANKS_OPTIMIZER_FILE)} (not the file that the tag's last save wrote"
+                in str(refusal.value)), refusal.value
+        assert_same_weights(fresh, weights)
+        if dist.get_rank() == 0:
+            returncode, output = ds_verify_checkpoint(save_dir)
+            assert returncode == 1 and OTHER_RANKS_OPTIMIZER_FILE in output, output
+        dist.barrier()
+
+
+class TestReclaimBeforeWriting(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_live_write_survives_a_lock_the_reclaiming_rank_cannot_see(self, tmpdir):
+        """Where ``flock`` is local to a node (NFS mounted ``nolock``, Lustre ``localflock``), the rank
+        that reclaims a tag's temporaries cannot see the locks of other nodes' writers: no rank may
+        write into the tag before the reclamation is done."""
+        from deepspeed.checkpoint import utils
+        from deepspeed.runtime import engine as engine_module
+        save_dir = str(tmpdir)
+        engine = initialize(2)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint")
+        train_step(engine)
+        real_lock, real_reclaim, real_save = utils._lock, engine_module.remove_abandoned_temps, torch.save
+
+        def slow_reclaim(*args, **kwargs):
+            time.sleep(1)
+            real_reclaim(*args, **kwargs)
+
+        def slow_save(obj, f, *args, **kwargs):
+            real_save(obj, f, *args, **kwargs)
+            time.sleep(2)
+
+        if dist.get_rank() == 0:
+            utils._lock = lambda fd, blocking: True  # every other writer's lock unseen
+            engine_module.remove_abandoned_temps = slow_reclaim
+        else:
+            torch.save = slow_save
+        try:
+            engine.save_checkpoint(save_dir, tag="checkpoint")
+        finally:
+            utils._lock, engine_module.remove_abandoned_temps, torch.save = real_lock, real_reclaim, real_save
+        weights = full_weights(engine)
+        fresh = initialize(2)
+        fresh.load_checkpoint(save_dir)
+        assert_same_weights(fresh, weights)
+
+
+def run_job(*args):
+    from unit.common import get_master_port
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={get_master_port()}", __file__, *map(str, args)
+    ]
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    return subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def killed_resaves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("killed-resaves")
+    save_dirs = [root / f"stage{stage}{'-async' if async_save else ''}" for stage, async_save in KILLED]
+    for (stage, async_save), save_dir in zip(KILLED, save_dirs):
+        proc = run_job("save", stage, int(async_save), save_dir)
+        assert f"rank 0: killed at its first rename, after rank 1 renamed {OTHER_RANKS_OPTIMIZER_FILE}" in proc.stdout, \
+            proc.stdout
+        assert proc.returncode != 0, proc.stdout
+    proc = run_job("load", *save_dirs)
+    assert proc.returncode == 0, proc.stdout
+    return save_dirs, proc.stdout
+
+
+@pytest.mark.parametrize("index", range(len(KILLED)))
+def test_rank_killed_while_the_tag_is_saved_again(killed_resaves, index):
+    save_dirs, output = killed_resaves
+    save_dir = str(save_dirs[index])
+    assert (save_dirs[index] / "latest").read_text() == "checkpoint"
+    refusals = [line for line in output.splitlines() if line.startswith(f"{save_dir}: rank")]
+    assert len(refusals) == 2, output
+    manifest = os.path.join(save_dir, "checkpoint", MANIFEST)
+    for line in refusals:
+        assert f"refused: Checkpoint 'checkpoint', the tag that {os.path.join(save_dir, 'latest')} names," in line, line
+        assert f"{manifest} (a save of this tag began and did not finish" in line, line
+    assert f"{save_dir}: ds_verify_checkpoint exited 1: checkpoint: FAILED: {manifest} (a save" in output, output
+
+
+# The job, on every rank.
+
+
+def die_at_the_first_rename_once_rank_1_renamed(folder):
+    """SIGKILL this process at its first rename of a checkpoint file into ``folder``, once the other rank
+    has renamed its new optimizer file there."""
+    other = os.path.join(folder, OTHER_RANKS_OPTIMIZER_FILE)
+    earlier = os.stat(other).st_ino
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if os.path.dirname(os.path.abspath(dst)) == folder and str(dst).endswith(".pt"):
+            deadline = time.monotonic() + 120
+            while os.stat(other).st_ino == earlier and time.monotonic() < deadline:
+                time.sleep(0.05)
+            say(f"rank 0: killed at its first rename, after rank 1 renamed {OTHER_RANKS_OPTIMIZER_FILE}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace
+
+
+def save_again_then_die(stage, async_save, save_dir):
+    engine = initialize(stage, async_save=async_save)
+    train_step(engine)
+    engine.save_checkpoint(save_dir, tag="checkpoint")
+    engine.wait_for_async_save()
+    train_step(engine)
+    if dist.get_rank() == 0:
+        die_at_the_first_rename_once_rank_1_renamed(os.path.abspath(os.path.join(save_dir, "checkpoint")))
+    engine.save_checkpoint(save_dir, tag="checkpoint")
+    engine.wait_for_async_save()
+
+
+def load_refused(save_dir):
+    engine = initialize(int(os.path.basename(save_dir)[5]))
+    weights = full_weights(engine)
+    try:
+        engine.load_checkpoint(save_dir)
+    except ValueError as err:
+        say(f"{save_dir}: rank {dist.get_rank()}: refused: {err}")
+    else:
+        say(f"{save_dir}: rank {dist.get_rank()}: loaded a tag that holds files of two saves")
+    assert_same_weights(engine, weights)
+    if dist.get_rank() == 0:
+        returncode, output = ds_verify_checkpoint(save_dir)
+        say(f"{save_dir}: ds_verify_checkpoint exited {returncode}: {output}")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    import deepspeed
+    deepspeed.init_distributed()
+    if sys.argv[1] == "save":
+        save_again_then_die(int(sys.argv[2]), bool(int(sys.argv[3])), sys.argv[4])
+    else:
+        for save_dir in sys.argv[2:]:
+            load_refused(save_dir)
+        dist.barrier()
+        dist.destroy_process_group()

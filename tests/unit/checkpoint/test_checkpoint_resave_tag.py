@@ -13,7 +13,9 @@ engine's weights unchanged, and ``ds_verify_checkpoint`` must report it; at ZeRO
 synchronous and background saves. A tag saved again to the end loads the last save; a file put back
 from the earlier save (a copy that mixed two saves) is refused by name. ``ds_verify_checkpoint``
 checks a tag that records its files without unpickling anything, so a ``client_state`` with a class
-of the user's passes.
+of the user's passes. A background save that raised leaves nothing for the next save to write into
+its tag, and no rank writes into a tag before its reclamation of temporaries is done, even where the
+reclaiming rank cannot see another node's locks.
 
 This file is also the job: ``python -m torch.distributed.run ... test_checkpoint_resave_tag.py``.
 """
@@ -116,6 +118,35 @@ class TestCheckpointResaveTag(DistributedTest):
             returncode, output = ds_verify_checkpoint(save_dir)
             assert returncode == 1 and OTHER_RANKS_OPTIMIZER_FILE in output, output
         dist.barrier()
+
+
+class TestFailedBackgroundSave(DistributedTest):
+    world_size = 1
+    reuse_dist_env = True
+
+    def test_next_save_writes_nothing_of_a_save_that_raised(self, tmpdir):
+        """A background save that raises after it staged some files (here the optimizer file's host
+        copy fails) leaves nothing that the next save writes into the failed tag's folder."""
+        save_dir = str(tmpdir)
+        engine = initialize(2, async_save=True)
+        train_step(engine)
+        real_host_copy = engine.checkpoint_engine._host_copy
+
+        def host_copy(state_dict, path):
+            if path.endswith("optim_states.pt"):
+                raise MemoryError("no host memory left for the copy")
+            return real_host_copy(state_dict, path)
+
+        engine.checkpoint_engine._host_copy = host_copy
+        with pytest.raises(MemoryError):
+            engine.save_checkpoint(save_dir, tag="failed")
+        engine.checkpoint_engine._host_copy = real_host_copy
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="next")
+        engine.wait_for_async_save()
+        assert [name for name in os.listdir(os.path.join(save_dir, "failed")) if not name.startswith(".")] == []
+        assert (tmpdir / "latest").read() == "next"
+        engine.destroy()
 
 
 class TestReclaimBeforeWriting(DistributedTest):

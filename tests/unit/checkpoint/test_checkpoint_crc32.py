@@ -61,7 +61,8 @@ def weights(engine):
 
 def flip_bit(path):
     """Flip one bit in the middle of the largest tensor record of the ``torch.save`` zip ``path``, or
-    of its pickle if it holds no tensor data (a ZeRO-3 model states file); returns the record's name."""
+    of its pickle if it holds no tensor data (a ZeRO-3 model states file), as its bytes lie in the file
+    (deflated, in a zip that deflates them); returns the record's name."""
     with zipfile.ZipFile(path) as archive:
         records = sorted(archive.infolist(), key=lambda info: ("/data/" in info.filename, info.file_size))
     record = records[-1] if records[-1].file_size else next(info for info in records if info.filename.endswith(".pkl"))
@@ -69,7 +70,7 @@ def flip_bit(path):
         # The record's bytes follow its local header: 30 bytes, its name and its extra field.
         fd.seek(record.header_offset + 26)
         name_length, extra_length = struct.unpack("<HH", fd.read(4))
-        offset = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
+        offset = record.header_offset + 30 + name_length + extra_length + record.compress_size // 2
         fd.seek(offset)
         byte = fd.read(1)[0]
         fd.seek(offset)

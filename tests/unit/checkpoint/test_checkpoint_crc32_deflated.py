@@ -12,12 +12,13 @@ changed".
 """
 
 import shutil
-import struct
 import zipfile
 
 import torch
 
 from deepspeed.checkpoint.utils import checkpoint_crc32_problems
+
+from unit.checkpoint.test_checkpoint_crc32 import flip_bit
 
 
 def deflate(path):
@@ -27,20 +28,6 @@ def deflate(path):
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for name, data in records:
             archive.writestr(name, data)
-
-
-def flip_deflated_bit(path):
-    """Flip one bit in the middle of the deflated bytes of the largest record of the zip ``path``."""
-    with zipfile.ZipFile(path) as archive:
-        record = max(archive.infolist(), key=lambda info: info.compress_size)
-    with open(path, "r+b") as fd:
-        fd.seek(record.header_offset + 26)
-        name_length, extra_length = struct.unpack("<HH", fd.read(4))
-        offset = record.header_offset + 30 + name_length + extra_length + record.compress_size // 2
-        fd.seek(offset)
-        byte = fd.read(1)[0]
-        fd.seek(offset)
-        fd.write(bytes([byte ^ 0x10]))
 
 
 def test_deflated_checkpoint_file_verifies(tmp_path):
@@ -57,6 +44,6 @@ def test_deflated_checkpoint_file_verifies(tmp_path):
     changed = tmp_path / "changed" / path.name
     changed.parent.mkdir()
     shutil.copy(path, changed)
-    flip_deflated_bit(changed)
+    flip_bit(str(changed))
     problems, _ = checkpoint_crc32_problems([str(changed)])
     assert len(problems) == 1 and problems[0].startswith(f"{changed} ("), problems

@@ -868,6 +868,7 @@ def main():
     built_description["fork-no-fsync"] = built_description["fork"] + ", fsync off"
     built_description["fork-unverified"] = built_description["fork"] + ", CRC-32 check off"
     built_description["fork-async"] = built_description["fork"] + ", async_save on"
+    built_description["fork-base"] = args.base_tree
 
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -28,7 +28,8 @@ from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize
 CHANGED = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def run_nodes(tmp_path, mode):
+def run_nodes(tmp_path, mode, job=__file__):
+    """Run ``python job mode`` on two nodes of one rank each, in ``tmp_path``'s folders node0 and node1."""
     from unit.common import get_master_port
     port = get_master_port()
     tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +38,7 @@ def run_nodes(tmp_path, mode):
     for node_rank in range(2):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
-            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", __file__, mode
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", job, mode
         ]
         nodes.append(
             subprocess.Popen(command,

@@ -1,0 +1,53 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""PyTorch Lightning's DeepSpeed strategy resumes with the fork's default ``weights_only`` check, as a
+Lightning user runs it (examples/lightning_resume/train.py, under ``torch.distributed.run``): the
+model's hyperparameters hold a path and an OmegaConf config (``save_hyperparameters()``, as with
+Hydra), which Lightning saves into the DeepSpeed checkpoint's client state. ZeRO-2 and ZeRO-3 train
+one epoch on 2 ranks, then resume from ``last.ckpt`` on 2 ranks (ZeRO-2) and on 1 (ZeRO-3) and
+train the second epoch, with the hyperparameters back as saved.
+
+Before, each resume was refused: "needs ... omegaconf.dictconfig.DictConfig ... pathlib.PosixPath".
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unit.common import get_master_port
+
+pytest.importorskip("pytorch_lightning")
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "lightning_resume" / "train.py"
+
+
+def train(num_ranks, out, stage, max_epochs, *args):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+        str(num_ranks), "--master_port",
+        str(get_master_port()),
+        str(TRAIN), "--output_dir",
+        str(out), "--stage",
+        str(stage), "--max_epochs",
+        str(max_epochs), *args
+    ]
+    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.parametrize("stage, resume_ranks", [(2, 2), (3, 1)])
+def test_lightning_resumes_with_hyperparameters(tmp_path, stage, resume_ranks):
+    out = tmp_path / "out"
+    train(2, out, stage, 1)
+    assert (out / "last.ckpt" / "latest").read_text() == "checkpoint"
+    log = train(resume_ranks, out, stage, 2, "--resume", str(out / "last.ckpt"))
+    hyperparameters = f"{{'data_dir': PosixPath('{out / 'data'}'), 'cfg': {{'hidden': 8, 'lr': 0.01}}}}"
+    assert f"training from epoch 1, step 2, hyperparameters {hyperparameters}" in log, log
+    (second_epoch, ) = out.glob("epoch=1-step=*.ckpt")
+    assert (second_epoch / "latest").read_text() == "checkpoint"

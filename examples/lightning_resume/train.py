@@ -1,7 +1,8 @@
 """PyTorch Lightning's DeepSpeed strategy, on the CPU: a small regression model whose hyperparameters
 hold a path and an OmegaConf config (as Hydra gives them), saved by ``save_hyperparameters()``,
 trained to ``--max_epochs`` with a checkpoint after each epoch (``last.ckpt``, a DeepSpeed checkpoint
-folder), and resumed from one with ``--resume``. Run it under ``torch.distributed.run``:
+folder), and resumed from one with ``--resume`` (or validated, ``--validate``). Run it under
+``torch.distributed.run``:
 
     python -m torch.distributed.run --nproc_per_node 2 train.py --output_dir out --stage 2 --max_epochs 1
     python -m torch.distributed.run --nproc_per_node 1 train.py --output_dir out --stage 2 --max_epochs 2 \\
@@ -49,11 +50,19 @@ class Regression(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.cfg.lr)
 
     def train_dataloader(self):
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+    def val_dataloader(self):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
     def on_train_start(self):
@@ -70,6 +79,9 @@ def main():
     parser.add_argument("--stage", type=int, default=2, help="the ZeRO stage")
     parser.add_argument("--max_epochs", type=int, default=1)
     parser.add_argument("--resume", default=None, help="the checkpoint to resume from (default: start afresh)")
+    parser.add_argument("--validate",
+                        action="store_true",
+                        help="validate the checkpoint --resume names (an engine without an optimizer), not train")
     args = parser.parse_args()
 
     trainer = pl.Trainer(accelerator="cpu",
@@ -86,7 +98,14 @@ def main():
                            "hidden": 8,
                            "lr": 1e-2
                        }))
-    trainer.fit(model, ckpt_path=args.resume)
+    if args.validate:
+        (metrics, ) = trainer.validate(model, ckpt_path=args.resume, verbose=False)
+        if trainer.is_global_zero:
+            print(f"validation loss {metrics['val_loss']:.6f}", flush=True)
+    else:
+        trainer.fit(model, ckpt_path=args.resume)
+        if trainer.is_global_zero:
+            print(f"validation loss {trainer.callback_metrics['val_loss']:.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ Lightning user runs it (examples/lightning_resume/train.py, under ``torch.distri
 model's hyperparameters hold a path and an OmegaConf config (``save_hyperparameters()``, as with
 Hydra), which Lightning saves into the DeepSpeed checkpoint's client state. ZeRO-2 and ZeRO-3 train
 one epoch on 2 ranks, then resume from ``last.ckpt`` on 2 ranks (ZeRO-2) and on 1 (ZeRO-3) and
-train the second epoch, with the hyperparameters back as saved.
+train the second epoch, with the hyperparameters back as saved. Then ``trainer.validate()`` (an
+engine without an optimizer) loads the ZeRO-3 ``last.ckpt`` on 2 ranks: its validation loss is the
+one that the run ended with.
 
-Before, each resume was refused: "needs ... omegaconf.dictconfig.DictConfig ... pathlib.PosixPath".
+Before, each resume was refused: "needs ... omegaconf.dictconfig.DictConfig ... pathlib.PosixPath";
+the validation failed, "'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'".
 """
 
 import subprocess
@@ -51,3 +54,16 @@ def test_lightning_resumes_with_hyperparameters(tmp_path, stage, resume_ranks):
     assert f"training from epoch 1, step 2, hyperparameters {hyperparameters}" in log, log
     (second_epoch, ) = out.glob("epoch=1-step=*.ckpt")
     assert (second_epoch / "latest").read_text() == "checkpoint"
+    if stage < 3:
+        return
+
+    # An engine without an optimizer (Lightning's validate) loads the weights the last epoch ended with,
+    # on another number of ranks than saved them.
+    # The two ranks' mean of their batches' losses, rounded otherwise than the one rank's.
+    validated = train(2, out, stage, 2, "--resume", str(out / "last.ckpt"), "--validate")
+    assert validation_loss(validated) == pytest.approx(validation_loss(log), rel=1e-6), validated
+
+
+def validation_loss(log):
+    (line, ) = [line for line in log.splitlines() if line.startswith("validation loss ")]
+    return float(line.split()[-1])

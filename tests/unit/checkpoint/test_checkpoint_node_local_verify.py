@@ -28,8 +28,7 @@ from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize
 CHANGED = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def run_nodes(tmp_path, mode, job=__file__):
-    """Run ``python job mode`` on two nodes of one rank each, in ``tmp_path``'s folders node0 and node1."""
+def run_nodes(tmp_path, mode):
     from unit.common import get_master_port
     port = get_master_port()
     tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +37,7 @@ def run_nodes(tmp_path, mode, job=__file__):
     for node_rank in range(2):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
-            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", job, mode
+            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", __file__, mode
         ]
         nodes.append(
             subprocess.Popen(command,
@@ -82,12 +81,12 @@ def save():
     engine.save_checkpoint("ckpt", tag="step1")
 
 
-def load():
+def load(tag="step1", universal=False):
     import deepspeed.comm as dist
-    engine = initialize(3, node_local=True)
+    engine = initialize(3, node_local=True, load_universal=universal)
     weights = full_weights(engine)
     try:
-        engine.load_checkpoint("ckpt", tag="step1")
+        engine.load_checkpoint("ckpt", tag=tag)
     except ValueError as err:
         say(f"rank {dist.get_rank()}: refused: {err}")
     else:
@@ -103,6 +102,8 @@ if __name__ == "__main__":
     deepspeed.init_distributed()
     if sys.argv[1] == "save":
         save()
+    elif sys.argv[1] == "load-universal":
+        load("universal", universal=True)
     else:
         load()
     dist.barrier()

@@ -79,3 +79,6 @@ class TestVerifyCheckpoint(DistributedTest):
         # The folder of one tag.
         returncode, lines = run(os.path.join(save_dir, "global_step2"))
         assert returncode == 1 and len(lines) == 1 and changed in lines[0], lines
+        # A folder that is not there, such as a mistyped one.
+        nowhere = os.path.join(save_dir, "nowhere")
+        assert run(nowhere) == (1, [f"{nowhere}: no such folder"])

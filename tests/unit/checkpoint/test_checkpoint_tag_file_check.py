@@ -32,6 +32,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from unit.checkpoint.autotp_common import convert_to_universal_checkpoint
 from unit.checkpoint import test_checkpoint_node_local_verify as node_local
 from unit.checkpoint.test_checkpoint_crc32 import flip_bit
+from unit.checkpoint.test_checkpoint_killed_save import full_weights
 from unit.common import DistributedTest
 
 HIDDEN = 16
@@ -92,10 +93,6 @@ def moe_engine():
     return engine
 
 
-def module_weights(engine):
-    return {name: param.detach().clone() for name, param in engine.module.named_parameters()}
-
-
 def train_step(engine):
     if isinstance(engine.module, PipelineModule):
         engine.train_batch(iter([batch()]))
@@ -121,7 +118,7 @@ class TestPipelineMoEFileCheck(DistributedTest):
         # Checked whole, the checkpoint loads as it did.
         loaded = make_engine()
         loaded.load_checkpoint(save_dir, tag="step1")
-        for name, tensor in module_weights(engine).items():
+        for name, tensor in full_weights(engine).items():
             assert torch.equal(loaded.module.state_dict()[name], tensor), name
         dist.barrier()
 
@@ -131,10 +128,10 @@ class TestPipelineMoEFileCheck(DistributedTest):
         dist.barrier()
 
         fresh = make_engine()
-        weights = module_weights(fresh)
+        weights = full_weights(fresh)
         with pytest.raises(ValueError, match=f"{changed} \\(record '.*fails its CRC-32 check"):
             fresh.load_checkpoint(save_dir, tag="step1")
-        for name, tensor in module_weights(fresh).items():
+        for name, tensor in full_weights(fresh).items():
             assert torch.equal(tensor, weights[name]), name
 
 

@@ -42,10 +42,16 @@ def main(argv=None):
                                "deepspeed.comm/get_accelerator(), DCO)")
     gate.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     prs_parser = commands.add_parser("prs",
-                              help="write each topic as an upstream pull request: a git am mailbox onto the "
-                              "pristine release, with its tests, and PR.md")
+                                     help="write each topic as an upstream pull request: a git am mailbox onto the "
+                                     "pristine release, with its tests, and PR.md")
     prs_parser.add_argument("--sdist", help="local copy of the pinned sdist (default: fetched with pip)")
     prs_parser.add_argument("--out", type=Path, default=REPO / prs.DEFAULT_OUT_DIR, help="output folder (replaced)")
+    prs_parser.add_argument("--verify",
+                            nargs="*",
+                            metavar="TOPIC",
+                            help="then run each fix topic's tests (or the named topics') on the pristine release "
+                            "plus its dependencies, without it (they must fail) and with it (they must pass), and "
+                            "write the result into its PR.md (slow: minutes per topic)")
     rdm = commands.add_parser("readme", help="rewrite README.md's table of fixes and version label from the series")
     rdm.add_argument("--check", action="store_true", help="write nothing; fail if README.md is out of date")
     ups = commands.add_parser("upstream-tests",
@@ -77,14 +83,23 @@ def main(argv=None):
             path, label = build_patched_tree(make_workdir("deepspeed-fork-tree-"), {"sdist": args.sdist})
             print(path)
         elif args.command == "prs":
-            for topic, topic_dir in prs.export_topics(REPO, args.out, sdist=args.sdist):
+            exported = prs.export_topics(REPO, args.out, sdist=args.sdist)
+            for topic, topic_dir in exported:
                 patches = ", ".join(patch.name.split("-", 1)[0] for patch in topic.patches)
-                print(f"{topic_dir}: {topic.name} (patches {patches}; {len(topic.tests)} test file(s)"
+                print(f"{topic_dir}: {topic.name} ({topic.kind}; patches {patches}; {len(topic.tests)} test file(s)"
                       f"{'; depends on ' + ', '.join(topic.depends_on) if topic.depends_on else ''})")
+            for problem in prs.fixes_not_standalone([topic for topic, _ in exported]):
+                print(f"not yet standalone: {problem}", file=sys.stderr)
+            if args.verify is not None:
+                failed = prs.verify_topics(REPO, exported, sdist=args.sdist, names=args.verify)
+                if failed:
+                    print(f"verification failed for {', '.join(topic.name for topic in failed)}", file=sys.stderr)
+                    return 1
         elif args.command == "readme":
             stale = readme.update(REPO, check=args.check)
             if stale and args.check:
-                print(f"{readme.README} is out of date with the series: run python -m forktools readme", file=sys.stderr)
+                print(f"{readme.README} is out of date with the series: run python -m forktools readme",
+                      file=sys.stderr)
                 return 1
             print(f"{readme.README} was out of date; rewritten" if stale else f"{readme.README} is up to date")
         elif args.command == "upstream-tests":

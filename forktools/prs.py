@@ -30,21 +30,27 @@ repository, and each topic without dependencies also alone to a fresh one.
 """
 
 import email.utils
+import os
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from forktools import ForkError
 from forktools.git import configured_identity, identity_env, repo_env, run_git
 from forktools.pq import am_patch, format_patches
-from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, README_FIELDS, TEST_UPDATES_DIR, linked_original, parse_patch,
-                              read_series, without_fields)
-from forktools.upstream import make_workdir, pinned_release
+from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, README_FIELDS, TEST_UPDATES_DIR, TOPIC_KINDS, LINKED_DIRS,
+                              linked_copy, linked_original, parse_patch, read_series, without_fields)
+from forktools.upstream import BASE_TAG, make_workdir, pinned_release
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
-_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS if name not in ("Bug", "Origin"))
+_FORK_ONLY_FIELDS = tuple(name for name in DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS
+                          if name not in ("Bug", "Origin"))
+# A topic's tests, run twice by --verify, each time within this (a hung run is a failure, not a hang).
+VERIFY_TIMEOUT_S = 1800
 # Where a topic's update of upstream tests goes beside its mailbox.
 TEST_UPDATES_FILE = "upstream-test-updates.patch"
 
@@ -52,6 +58,7 @@ TEST_UPDATES_FILE = "upstream-test-updates.patch"
 @dataclass
 class Topic:
     name: str
+    kind: str = None
     patches: list = field(default_factory=list)
     tests: list = field(default_factory=list)
     depends_on: list = field(default_factory=list)
@@ -64,7 +71,11 @@ def topics_of(repo, patches):
     for patch in patches:
         if patch.fork_only:
             continue
-        topic = topics.setdefault(patch.topic, Topic(patch.topic))
+        topic = topics.setdefault(patch.topic, Topic(patch.topic, patch.dep3.get("Kind")))
+        if patch.dep3.get("Kind") not in TOPIC_KINDS or patch.dep3["Kind"] != topic.kind:
+            raise ForkError(f"{patch.name}: Kind: must be one of {', '.join(TOPIC_KINDS)} (a fix of a bug of the "
+                            f"release, or a feature), the same for every patch of topic {topic.name}; found "
+                            f"{patch.dep3.get('Kind')!r}")
         topic.patches.append(patch)
         # Several patches of one topic may name the same test file; the topic adds it once.
         topic.tests += [test for test in patch.dep3.get("Upstream-Tests", "").split() if test not in topic.tests]
@@ -74,10 +85,6 @@ def topics_of(repo, patches):
             if dep not in topics:
                 raise ForkError(f"topic {topic.name} depends on {dep!r}, which no patch of the series names as its "
                                 f"Topic (known topics: {', '.join(topics)})")
-    for topic in topics.values():
-        for test in topic.tests:
-            if not (Path(repo) / test).is_file():
-                raise ForkError(f"topic {topic.name}: Upstream-Tests names {test}, which does not exist")
     for update in sorted((Path(repo) / TEST_UPDATES_DIR).glob("*.patch")):
         if update.stem not in topics:
             raise ForkError(f"{TEST_UPDATES_DIR / update.name} is named after no topic of the series "
@@ -92,6 +99,35 @@ def topics_of(repo, patches):
                                 "goes upstream with one topic")
             owners[test] = topic.name
     return list(topics.values())
+
+
+def dependencies(topic, topics):
+    """The topics that must be merged before ``topic``, its dependencies' dependencies included, in series order."""
+    by_name = {other.name: other for other in topics}
+    needed, pending = set(), list(topic.depends_on)
+    while pending:
+        name = pending.pop()
+        if name not in needed:
+            needed.add(name)
+            pending += by_name[name].depends_on
+    return [other for other in topics if other.name in needed]
+
+
+def fixes_not_standalone(topics):
+    """What keeps fix topics from going upstream on their own: a fix must come before every feature in the
+    series and need at most one other topic merged first, itself a fix."""
+    problems = []
+    first_feature = next((topic for topic in topics if topic.kind == "feature"), None)
+    for index, topic in enumerate(topics):
+        if topic.kind != "fix":
+            continue
+        needed = dependencies(topic, topics)
+        if first_feature and index > topics.index(first_feature):
+            problems.append(f"fix topic {topic.name} comes after feature topic {first_feature.name}")
+        if len(needed) > 1 or any(dep.kind != "fix" for dep in needed):
+            problems.append(f"fix topic {topic.name} needs {len(needed)} topic(s) merged first: " +
+                            ", ".join(f"{dep.name} ({dep.kind})" for dep in needed))
+    return problems
 
 
 def exporter_signoff(repo):
@@ -180,8 +216,8 @@ def commit_topic(queue, topic, repo, scratch, signer):
         run_git(["add", "-f", *topic.tests], queue, env)
         message = (f"tests: {topic.patches[0].subject}\n\n"
                    f"Tests for this change, in DeepSpeed's DistributedTest style:\n\n" +
-                   "".join(f"- {test}\n" for test in topic.tests) +
-                   signed_off(f"\nSigned-off-by: {name} <{address}>\n", signer))
+                   "".join(f"- {test}\n"
+                           for test in topic.tests) + signed_off(f"\nSigned-off-by: {name} <{address}>\n", signer))
         run_git(["commit", "-q", "--no-verify", "-m", message], queue, env)
     return start
 
@@ -191,7 +227,8 @@ def pr_description(topic, topics_dir_names, signer):
     lines = [f"# {topic.patches[0].subject}", ""]
     for patch in topic.patches:
         # The message holds the body only (the subject is a header of the patch file).
-        body = "\n".join(without_fields(patch.message.strip("\n").split("\n"), _FORK_ONLY_FIELDS + ("Signed-off-by", )))
+        body = "\n".join(without_fields(
+            patch.message.strip("\n").split("\n"), _FORK_ONLY_FIELDS + ("Signed-off-by", )))
         if len(topic.patches) > 1:
             lines += [f"## {patch.subject}", ""]
         lines += [body.strip("\n"), ""]
@@ -219,9 +256,17 @@ def pr_description(topic, topics_dir_names, signer):
             for dep in topic.depends_on
         ]
         lines.append("")
-    lines += ["## Sign-off", "", f"Every commit carries its author's `Signed-off-by:` and, after it, that of {signer}, "
-              "who exported it from the fork and submits it (DCO).", ""]
+    lines += [
+        "## Sign-off", "", f"Every commit carries its author's `Signed-off-by:` and, after it, that of {signer}, "
+        "who exported it from the fork and submits it (DCO).", ""
+    ]
     return "\n".join(lines)
+
+
+def apply_mailbox(queue, mailbox):
+    """``git am`` a topic's mailbox onto ``queue``; returns the finished process (git am may have stopped)."""
+    env = dict(repo_env(queue), **identity_env("prs", "prs@invalid", roles=("COMMITTER", )))
+    return run_git(["am", "-q", "--no-3way", str(mailbox)], queue, env, check=False)
 
 
 def export_topics(repo, out_dir, sdist=None):
@@ -229,6 +274,10 @@ def export_topics(repo, out_dir, sdist=None):
     repo, out_dir = Path(repo), Path(out_dir)
     signer = exporter_signoff(repo)
     topics = topics_of(repo, read_series(repo))
+    for topic in topics:
+        for test in topic.tests:
+            if not (repo / test).is_file():
+                raise ForkError(f"topic {topic.name}: Upstream-Tests names {test}, which does not exist")
     dir_names = {topic.name: f"{index:02d}-{topic.name}" for index, topic in enumerate(topics, start=1)}
     workdir = make_workdir("deepspeed-fork-upstream-prs-")
     try:
@@ -242,26 +291,26 @@ def export_topics(repo, out_dir, sdist=None):
             start = commit_topic(in_order, topic, repo, scratch, signer)
             topic_dir = staging / dir_names[topic.name]
             topic_dir.mkdir(parents=True)
-            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start,
-                                     linked_copies=False)
+            commits = format_patches(in_order, scratch / f"{topic.name}-commits", since=start, linked_copies=False)
             mailbox = b"".join(path.read_bytes() for path in commits)
             (topic_dir / f"{topic.name}.mbox").write_bytes(mailbox)
             (topic_dir / "PR.md").write_text(pr_description(topic, dir_names, signer), encoding="utf-8")
             if topic.test_updates:
                 (topic_dir / TEST_UPDATES_FILE).write_text(signed_test_updates(topic.test_updates, signer),
-                                                            encoding="utf-8")
-        # Topics that depend on nothing must apply alone too.
+                                                           encoding="utf-8")
+        # Topics that depend on nothing must apply alone too, and a fix after only the topics it depends on.
         for topic in topics:
-            if not topic.depends_on:
-                alone = release.queue(workdir / f"alone-{topic.name}")
-                mailbox = staging / dir_names[topic.name] / f"{topic.name}.mbox"
-                proc = run_git(["am", "-q", "--no-3way", str(mailbox)],
-                               alone,
-                               dict(repo_env(alone), **identity_env("prs", "prs@invalid", roles=("COMMITTER", ))),
-                               check=False)
+            needed = dependencies(topic, topics)
+            if needed and (topic.kind != "fix" or len(needed) > 1):
+                continue
+            alone = release.queue(workdir / f"alone-{topic.name}")
+            for dep in needed + [topic]:
+                proc = apply_mailbox(alone, staging / dir_names[dep.name] / f"{dep.name}.mbox")
                 if proc.returncode != 0:
-                    raise ForkError(f"topic {topic.name} has no Depends-On but does not apply alone on the pristine "
-                                    f"upstream release:\n{proc.stdout.strip()}")
+                    after = f" after {needed[0].name}" if needed else ""
+                    raise ForkError(f"topic {topic.name} does not apply{after} alone on the pristine upstream "
+                                    f"release:\n{proc.stdout.strip()}")
+            shutil.rmtree(alone)
         # Replace the output only when everything was made and checked.
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -270,3 +319,86 @@ def export_topics(repo, out_dir, sdist=None):
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return [(topic, out_dir / dir_names[topic.name]) for topic in topics]
+
+
+def run_topic_tests(repo, topic, tree, env):
+    """Run ``topic``'s test files (not the helpers it adds) with ``tree`` first on the path; (passed, summary)."""
+    tests = [test for test in topic.tests if Path(test).name.startswith("test_")]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=repo,
+                              env=dict(env, PYTHONPATH=str(tree)),
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True,
+                              timeout=VERIFY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {VERIFY_TIMEOUT_S} s"
+    counts = re.findall(r"^=* ?(\d+ (?:passed|failed|errors?|skipped)\b.*?)(?: in [\d.]+s.*)? ?=*$", proc.stdout, re.M)
+    return proc.returncode == 0, (counts[-1] if counts else f"pytest exited {proc.returncode}")
+
+
+def verify_topics(repo, exported, sdist=None, names=(), log=print):
+    """Run each fix topic's tests (or those of the topics ``names``) on the pristine release plus the topics it
+    depends on, without the topic, where they must fail, and with it, where they must pass; what was found goes
+    into its PR.md. Returns the topics for which it did not hold."""
+    topics = [topic for topic, _ in exported]
+    dirs = {topic.name: topic_dir for topic, topic_dir in exported}
+    unknown = set(names) - set(dirs)
+    if unknown:
+        raise ForkError(f"no topic named {', '.join(sorted(unknown))} (known topics: {', '.join(dirs)})")
+    chosen = [topic for topic in topics if (topic.name in names if names else topic.kind == "fix")]
+    workdir = make_workdir("deepspeed-fork-verify-")
+    failed = []
+    try:
+        # One tree at one path for every run: the JIT-built ops are built again only when a topic changes them.
+        release = pinned_release(repo, workdir, sdist)
+        tree = release.queue(workdir / "deepspeed")
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(workdir / "torch-extensions"))
+        for topic in chosen:
+            if not any(Path(test).name.startswith("test_") for test in topic.tests):
+                log(f"{topic.name}: has no test of its own to verify")
+                failed.append(topic)
+                continue
+            run_git(["reset", "-q", "--hard", BASE_TAG], tree, repo_env(tree))
+            run_git(["clean", "-q", "-fdx"], tree, repo_env(tree))
+            needed = dependencies(topic, topics)
+            for dep in needed + [None, topic]:
+                if dep is None:
+                    base_passed, base_summary = run_topic_tests(repo, topic, tree, env)
+                    continue
+                if apply_mailbox(tree, dirs[dep.name] / f"{dep.name}.mbox").returncode != 0:
+                    raise ForkError(f"topic {dep.name} does not apply after the topics it depends on")
+                sync_linked_copies(tree)
+            passed, summary = run_topic_tests(repo, topic, tree, env)
+            base = " + ".join([release.pin.version] + [dep.name for dep in needed])
+            verdict = (f"fails on {base} ({base_summary}), "
+                       if not base_passed else f"PASSES on {base} ({base_summary}), ")
+            verdict += f"passes with this PR ({summary})" if passed else f"FAILS with this PR ({summary})"
+            log(f"{topic.name}: {verdict}")
+            if base_passed or not passed:
+                failed.append(topic)
+            record_verification(dirs[topic.name] / "PR.md", topic, verdict)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return failed
+
+
+def sync_linked_copies(tree):
+    """Bring the sdist's copies under deepspeed/ops/ in line with csrc/ and op_builder/, which the mailboxes change
+    (in upstream's repository they are links); unchanged files keep their times, so nothing is rebuilt for them."""
+    for linked in LINKED_DIRS:
+        for original in sorted((tree / linked).rglob("*")):
+            copy = tree / linked_copy(str(original.relative_to(tree)))
+            if original.is_file() and (not copy.is_file() or copy.read_bytes() != original.read_bytes()):
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(original, copy)
+
+
+def record_verification(pr_file, topic, verdict):
+    """Add what the verification found to the Verification section of a topic's PR.md."""
+    text = pr_file.read_text(encoding="utf-8")
+    head, sep, rest = text.partition("\n## Depends on\n") if topic.depends_on else text.partition("\n## Sign-off\n")
+    tests = ", ".join(f"`{Path(test).name}`" for test in topic.tests if Path(test).name.startswith("test_"))
+    note = f"Verified (`python -m forktools prs --verify`): {tests} {verdict}.\n"
+    pr_file.write_text(f"{head.rstrip(chr(10))}\n\n{note}{sep}{rest}", encoding="utf-8")

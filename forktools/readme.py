@@ -3,7 +3,9 @@
 Each part stands between ``<!-- forktools readme: PART -->`` and ``<!-- forktools readme: end -->``:
 
 - ``fixes``: the table of fixes, one row per patch in series order: its topic (the ``Topic:`` field,
-  stable when patches are renumbered), its subject, its ``Summary:`` field and its upstream status
+  stable when patches are renumbered), whether the topic fixes a bug of the release or adds a feature
+  (``Kind:``) and which topics must be merged upstream before it (``Depends-On:``, with their own),
+  on the topic's first row, its subject, its ``Summary:`` field and its upstream status
   (``Forwarded:`` / ``Applied-Upstream:``);
 - ``version``: the version a build of the series carries (``0.19.8+fork.<patches>.<digest>``).
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from forktools import ForkError
 from forktools.files import replace_file
+from forktools.prs import dependencies, topics_of
 from forktools.series import local_version_label, read_series
 from forktools.upstream import read_pin
 
@@ -35,15 +38,22 @@ def _cell(text):
     return text.replace("|", "\\|")
 
 
-def fixes_table(patches):
-    rows = ["| topic | patch | fixes | upstream status |", "|---|---|---|---|"]
+def fixes_table(repo, patches):
+    rows = ["| topic | kind | merged first | patch | fixes | upstream status |", "|---|---|---|---|---|---|"]
+    topics = topics_of(repo, patches)
+    first_patches = {topic.patches[0].name: topic for topic in topics}
     for patch in patches:
         summary = patch.dep3.get("Summary")
         if not summary:
             raise ForkError(f"{patch.name} has no Summary: field (what it fixes, for the README's table); add it to "
                             "the patch's trailers in the patch queue (see docs/maintainers.md)")
         topic = "(fork only)" if patch.fork_only and "Topic" not in patch.dep3 else f"`{patch.topic}`"
-        rows.append(f"| {topic} | {_cell(patch.subject)} | {_cell(summary)} | {upstream_status(patch)} |")
+        kind, first = "", ""
+        if patch.name in first_patches:
+            kind = first_patches[patch.name].kind
+            first = ", ".join(f"`{dep.name}`" for dep in dependencies(first_patches[patch.name], topics)) or "none"
+        rows.append(f"| {topic} | {kind} | {first} | {_cell(patch.subject)} | {_cell(summary)} | "
+                    f"{upstream_status(patch)} |")
     return "\n" + "\n".join(rows) + "\n"
 
 
@@ -52,7 +62,7 @@ def render(repo):
     repo = Path(repo)
     patches = read_series(repo)
     parts = {
-        "fixes": lambda: fixes_table(patches),
+        "fixes": lambda: fixes_table(repo, patches),
         "version": lambda: f"`{read_pin(repo).version}+{local_version_label(repo, patches)}`",
     }
     text = (repo / README).read_text(encoding="utf-8")

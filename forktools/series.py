@@ -18,8 +18,10 @@ TEST_UPDATES_DIR = Path(PATCH_DIR) / "upstream-tests"
 # DEP-3 fields recorded in each patch's commit message, next to its Signed-off-by trailer.
 DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
 # The fork's own header fields, for the upstream pull requests (forktools/prs.py): the topic (upstream
-# pull request) a patch belongs to, the topics its tests need first, and the tests that go with it.
-EXPORT_FIELDS = ("Topic", "Depends-On", "Upstream-Tests")
+# pull request) a patch belongs to, whether that topic fixes a bug of the release or adds a feature
+# (``Kind: fix`` or ``Kind: feature``), the topics its tests need first, and the tests that go with it.
+EXPORT_FIELDS = ("Topic", "Kind", "Depends-On", "Upstream-Tests")
+TOPIC_KINDS = ("fix", "feature")
 # The fork's own README: what the patch fixes, in the row of its table of fixes (python -m forktools readme).
 # A long value goes on over the lines after it that start with a space, as in any trailer.
 README_FIELDS = ("Summary", )

@@ -14,11 +14,10 @@ import tarfile
 import pytest
 
 from forktools import ForkError
-from forktools.prs import export_topics
+from forktools.prs import Topic, export_topics, fixes_not_standalone, record_verification
 from forktools.series import read_series
 
 from conftest import REPO
-
 
 # The person exporting: their sign-off goes on every exported commit.
 EXPORTER = "Test Exporter <exporter@example.invalid>"
@@ -111,7 +110,7 @@ def test_mailboxes_apply_in_series_order_with_their_tests(exported, upstream_sdi
                          text=True,
                          check=True).stdout
     assert "Signed-off-by: " in log
-    for field in ("Topic:", "Depends-On:", "Upstream-Tests:", "Forwarded:", "Applied-Upstream:", "Summary:"):
+    for field in ("Topic:", "Kind:", "Depends-On:", "Upstream-Tests:", "Forwarded:", "Applied-Upstream:", "Summary:"):
         assert field not in log
 
 
@@ -128,8 +127,10 @@ def test_each_commit_is_signed_off_by_the_exporter_after_its_author(exported):
     for topic, topic_dir in exported:
         for message in mailbox.mbox(topic_dir / f"{topic.name}.mbox", create=False):
             author = str(email.message_from_bytes(message.as_bytes(), policy=email.policy.default)["From"])
-            signoffs = [line for line in message.get_payload().split("\n---\n")[0].splitlines()
-                        if line.startswith("Signed-off-by:")]
+            signoffs = [
+                line for line in message.get_payload().split("\n---\n")[0].splitlines()
+                if line.startswith("Signed-off-by:")
+            ]
             assert signoffs == [f"Signed-off-by: {author}", f"Signed-off-by: {EXPORTER}"], (topic.name, signoffs)
         description = (topic_dir / "PR.md").read_text()
         assert f"## Sign-off\n\nEvery commit carries its author's `Signed-off-by:` and, after it, that of {EXPORTER}" \
@@ -183,3 +184,46 @@ def test_unknown_dependency_is_refused_by_name(repo_copy, upstream_sdist, tmp_pa
     with pytest.raises(ForkError, match="depends on 'no-such-topic'"):
         export_topics(repo_copy, out, sdist=upstream_sdist)
     assert not out.exists()
+
+
+def test_a_patch_without_kind_is_refused_by_name(repo_copy, upstream_sdist, tmp_path, monkeypatch):
+    git_config_env(monkeypatch, tmp_path, EXPORTER)
+    patch = next(p for p in read_series(repo_copy) if p.dep3.get("Kind") == "fix")
+    patch.path.write_text(patch.path.read_text().replace("Kind: fix\n", "", 1))
+    out = tmp_path / "out"
+    with pytest.raises(ForkError, match=f"{patch.name}: Kind: must be one of fix, feature"):
+        export_topics(repo_copy, out, sdist=upstream_sdist)
+    assert not out.exists()
+
+
+def test_fixes_that_cannot_go_upstream_alone_are_named():
+    gradients, empty_params = Topic("gradients", "fix"), Topic("empty-params", "fix")
+    zero_width = Topic("zero-width", "fix", depends_on=["empty-params"])
+    faster_hooks = Topic("faster-hooks", "feature", depends_on=["empty-params"])
+    reshard = Topic("reshard", "feature")
+    late_fix, deep_fix = Topic("late-fix", "fix"), Topic("deep-fix", "fix", depends_on=["zero-width"])
+    fix_on_feature = Topic("fix-on-feature", "fix", depends_on=["reshard"])
+    topics = [gradients, empty_params, zero_width, faster_hooks, reshard, deep_fix, fix_on_feature, late_fix]
+    assert fixes_not_standalone(topics) == [
+        "fix topic deep-fix comes after feature topic faster-hooks",
+        "fix topic deep-fix needs 2 topic(s) merged first: empty-params (fix), zero-width (fix)",
+        "fix topic fix-on-feature comes after feature topic faster-hooks",
+        "fix topic fix-on-feature needs 1 topic(s) merged first: reshard (feature)",
+        "fix topic late-fix comes after feature topic faster-hooks",
+    ]
+    # With the fixes first, each on at most one other fix, nothing is left to report.
+    assert fixes_not_standalone([gradients, empty_params, zero_width, late_fix, faster_hooks, reshard]) == []
+
+
+def test_verification_is_recorded_in_the_pull_request(exported):
+    topic, topic_dir = next((topic, path) for topic, path in exported if topic.depends_on and topic.tests)
+    pr_file = topic_dir / "PR.md"
+    before = pr_file.read_text()
+    try:
+        record_verification(pr_file, topic, "fails on 0.19.8 + x (1 failed), passes with this PR (1 passed)")
+        text = pr_file.read_text()
+    finally:
+        pr_file.write_text(before)
+    verification = text[text.index("## Verification"):text.index("## Depends on")]
+    assert "Verified (`python -m forktools prs --verify`): `test_" in verification
+    assert verification.rstrip().endswith("fails on 0.19.8 + x (1 failed), passes with this PR (1 passed).")

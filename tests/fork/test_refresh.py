@@ -24,8 +24,8 @@ from forktools.upstream import read_pin, sha256_of
 NEW = "0.19.9"
 GATE = "0002-zero3-gate-the-fetch-all-gather-on-pending-status-not-numel.patch"
 NEVER_PARTITION = "0004-zero3-never-partition-zero-element-parameters.patch"
-ZERO_TO_FP32 = "0006-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
-LINEAR = "0008-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
+ZERO_TO_FP32 = "0005-zero_to_fp32-restore-zero-element-parameters-of-ZeRO-1-2-checkpoints.patch"
+LINEAR = "0007-zero3-compute-the-linear-weight-gradient-of-zero-width-layers.patch"
 # Touches the file the gate fix changes, below it: once upstream has the gate fix, it applies at an offset.
 LEAF = "0001-zero3-reduce-leaf-module-gradients-after-they-are-computed.patch"
 # A context line of NEVER_PARTITION's hunk in partition_parameters.py, and what the conflicting release

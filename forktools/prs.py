@@ -360,18 +360,19 @@ def verify_topics(repo, exported, sdist=None, names=(), log=print):
                 log(f"{topic.name}: has no test of its own to verify")
                 failed.append(topic)
                 continue
-            run_git(["reset", "-q", "--hard", BASE_TAG], tree, repo_env(tree))
-            run_git(["clean", "-q", "-fdx"], tree, repo_env(tree))
             needed = dependencies(topic, topics)
-            for dep in needed + [None, topic]:
-                if dep is None:
-                    base_passed, base_summary = run_topic_tests(repo, topic, tree, env)
-                    continue
-                if apply_mailbox(tree, dirs[dep.name] / f"{dep.name}.mbox").returncode != 0:
-                    raise ForkError(f"topic {dep.name} does not apply after the topics it depends on")
-                sync_linked_copies(tree)
-            passed, summary = run_topic_tests(repo, topic, tree, env)
             base = " + ".join([release.pin.version] + [dep.name for dep in needed])
+            if not apply_topics(tree, needed + [topic], dirs):
+                # Its mailbox was made after every topic before it; where it does not apply after its
+                # dependencies alone, the base is all of those.
+                needed = topics[:topics.index(topic)]
+                base = f"{release.pin.version} + the {len(needed)} topics before it"
+            if not apply_topics(tree, needed, dirs):
+                raise ForkError(f"the topics before {topic.name} do not apply in series order")
+            base_passed, base_summary = run_topic_tests(repo, topic, tree, env)
+            if not apply_topics(tree, [topic], dirs, reset=False):
+                raise ForkError(f"topic {topic.name} does not apply after {base}")
+            passed, summary = run_topic_tests(repo, topic, tree, env)
             verdict = (f"fails on {base} ({base_summary}), "
                        if not base_passed else f"PASSES on {base} ({base_summary}), ")
             verdict += f"passes with this PR ({summary})" if passed else f"FAILS with this PR ({summary})"
@@ -382,6 +383,21 @@ def verify_topics(repo, exported, sdist=None, names=(), log=print):
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return failed
+
+
+def apply_topics(tree, topics, dirs, reset=True):
+    """``git am`` the mailboxes of ``topics`` in order onto ``tree``, from the pristine release unless not
+    ``reset``; whether they all applied."""
+    if reset:
+        run_git(["reset", "-q", "--hard", BASE_TAG], tree, repo_env(tree))
+        run_git(["clean", "-q", "-fdx"], tree, repo_env(tree))
+    for topic in topics:
+        proc = apply_mailbox(tree, dirs[topic.name] / f"{topic.name}.mbox")
+        if proc.returncode != 0:
+            run_git(["am", "--abort"], tree, repo_env(tree), check=False)
+            return False
+        sync_linked_copies(tree)
+    return True
 
 
 def sync_linked_copies(tree):

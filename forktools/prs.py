@@ -43,7 +43,7 @@ from forktools.git import configured_identity, identity_env, repo_env, run_git
 from forktools.pq import am_patch, format_patches
 from forktools.series import (DEP3_FIELDS, EXPORT_FIELDS, README_FIELDS, TEST_UPDATES_DIR, TOPIC_KINDS, LINKED_DIRS,
                               linked_copy, linked_original, parse_patch, read_series, without_fields)
-from forktools.upstream import BASE_TAG, make_workdir, pinned_release
+from forktools.upstream import BASE_TAG, make_workdir, pinned_release, removing_new_shm_segments
 
 DEFAULT_OUT_DIR = Path("build") / "upstream-prs"
 # Header fields that only mean something to the fork; the mailbox leaves them out.
@@ -325,20 +325,21 @@ def run_topic_tests(repo, topic, tree, env):
     """Run ``topic``'s test files (not the helpers it adds) with ``tree`` first on the path; (passed, summary)."""
     tests = [test for test in topic.tests if Path(test).name.startswith("test_")]
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=repo,
-                              env=dict(env, PYTHONPATH=str(tree)),
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True,
-                              timeout=VERIFY_TIMEOUT_S)
+        with removing_new_shm_segments():
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                                  cwd=repo,
+                                  env=dict(env, PYTHONPATH=str(tree)),
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
+                                  text=True,
+                                  timeout=VERIFY_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return False, f"no result within {VERIFY_TIMEOUT_S} s"
     counts = re.findall(r"^=* ?(\d+ (?:passed|failed|errors?|skipped)\b.*?)(?: in [\d.]+s.*)? ?=*$", proc.stdout, re.M)
     return proc.returncode == 0, (counts[-1] if counts else f"pytest exited {proc.returncode}")
 
 
-def verify_topics(repo, exported, sdist=None, names=(), log=print):
+def verify_topics(repo, exported, sdist=None, names=(), log=lambda line: print(line, flush=True)):
     """Run each fix topic's tests (or those of the topics ``names``) on the pristine release plus the topics it
     depends on, without the topic, where they must fail, and with it, where they must pass; what was found goes
     into its PR.md. Returns the topics for which it did not hold."""

@@ -190,7 +190,7 @@ def apply_patch(tree, patch):
     _, details = explain_failure(patch, proc.stdout)
     raise ForkError(
         f"patch {patch.name} does not apply to {tree.name}:\n" + "\n".join(details) +
-        f"\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
+        "\nRefresh the patch against the pinned upstream (python -m forktools pq import; see docs/maintainers.md).")
 
 
 def explain_failure(patch, git_apply_output):

@@ -32,7 +32,6 @@ from forktools.series import PATCH_DIR, diff_hunks, hunks, linked_original, read
 from forktools.upstream import make_workdir, pinned_release
 
 
-
 @dataclass(frozen=True)
 class Tool:
     """A checker the gate runs from the running Python environment, at the exact version upstream uses."""

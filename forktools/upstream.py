@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,10 @@ BASE_TAG = "upstream"
 # The base commit is made with a fixed identity and date so that every import of the same
 # release yields the same commit ids.
 _BASE_IDENTITY = identity_env("upstream", "upstream@invalid", date="1970-01-01T00:00:00+0000")
+# Where the CPU all-reduce op of a pristine release leaves a 66 MiB shared-memory segment per rank
+# and run (the fork's cpu-shm-allreduce-cleanup topic removes them).
+SHM_DIR = Path("/dev/shm")
+SHM_SEGMENT_GLOB = "deepspeed_allreduce_buffer_*"
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,18 @@ def unpack_sdist(pin, sdist, dest):
     return tree
 
 
+@contextmanager
+def removing_new_shm_segments():
+    """Remove, after the block, the all-reduce segments that the DeepSpeed runs in it created: without the fork's
+    fix each run of distributed tests leaves them in /dev/shm (memory) until the machine runs out of it."""
+    before = set(SHM_DIR.glob(SHM_SEGMENT_GLOB))
+    try:
+        yield
+    finally:
+        for segment in set(SHM_DIR.glob(SHM_SEGMENT_GLOB)) - before:
+            segment.unlink(missing_ok=True)
+
+
 def make_workdir(prefix):
     """A fresh temporary directory outside any git work tree (git apply must not find one)."""
     return Path(tempfile.mkdtemp(prefix=prefix))
@@ -203,7 +220,7 @@ class Release:
         return tree
 
     def queue(self, dest):
-        """The pristine sdist as a git repository at ``dest``: one commit, tagged ``upstream`` (a patch queue's base)."""
+        """The pristine sdist as a git repository at ``dest``: one commit, tagged ``upstream`` (a queue's base)."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         unpacked = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))

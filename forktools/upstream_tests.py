@@ -23,6 +23,7 @@ from forktools import ForkError
 from forktools.backend import REPO, patched_wheel
 from forktools.git import plain_tree_env, run_git
 from forktools.series import TEST_UPDATES_DIR, read_series
+from forktools.upstream import removing_new_shm_segments
 
 # What finishes in about an hour on 2 cores: the checkpoint tests the series touches most, without
 # the largest files (test_zero_optimizer.py, test_universal_checkpoint.py: pass --select for them).
@@ -109,7 +110,8 @@ def run_tests(python, tests_dir, selection, keyword, workdir):
         command += ["-k", keyword]
     env = dict(os.environ, **TEST_ENV, TORCH_EXTENSIONS_DIR=str(workdir / "torch_extensions"))
     env.pop("PYTHONPATH", None)
-    subprocess.run(command + list(selection), cwd=tests_dir, env=env, stdout=subprocess.DEVNULL)
+    with removing_new_shm_segments():
+        subprocess.run(command + list(selection), cwd=tests_dir, env=env, stdout=subprocess.DEVNULL)
     if not junit.exists():
         raise ForkError(f"pytest wrote no results for {selection} (does the selection exist in {tests_dir}?)")
     version = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],

@@ -6,18 +6,24 @@
 pristine release and the fork, each in its own venv, the fork with the series' updates of upstream tests,
 and the ids whose verdict differs are reported."""
 
+import os
 import subprocess
+from pathlib import Path
 
 from forktools.upstream_tests import run
 
 # Stands in for upstream's tests/: one test both builds pass, one only the pristine release passes, one
 # both skip, and one whose expectation the series changes (its update is made below).
 PROBE = '''
+import os
+
 import deepspeed
 import pytest
 
 
 def test_version():
+    # As a pristine release's CPU all-reduce op does at every run: a shared-memory segment left behind.
+    open(f"/dev/shm/deepspeed_allreduce_buffer_0_probe_{os.getpid()}", "wb").close()
     assert deepspeed.__version__.startswith("0.19.8")
 
 
@@ -56,6 +62,8 @@ def test_differing_verdicts_are_reported(wheels, tmp_path):
     git(upstream, "checkout", "--", ".")
     workdir = tmp_path / "work"
     workdir.mkdir()
+    not_ours = Path("/dev/shm") / f"deepspeed_allreduce_buffer_0_probe_{os.getpid()}"
+    not_ours.touch()
 
     summary, regressions = run(upstream,
                                workdir, ("unit/test_probe.py", ),
@@ -73,3 +81,6 @@ def test_differing_verdicts_are_reported(wheels, tmp_path):
     assert lines[4:7] == ["differing verdicts: 1", "  unit.test_probe::test_pristine", "    pristine: passed"]
     assert lines[7].startswith("    fork: failed: AssertionError: the fork's series is applied"), summary
     assert not (workdir / "README.md").exists(), "only tests/ is extracted"
+    # The runs' segments are removed (each one holds 66 MiB of memory), a segment from before them is kept.
+    assert {path.name for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_0_probe_*")} == {not_ours.name}
+    not_ours.unlink()

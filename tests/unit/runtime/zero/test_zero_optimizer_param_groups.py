@@ -23,11 +23,89 @@ import pytest
 import torch
 
 import deepspeed
-from deepspeed.utils import groups, safe_get_full_optimizer_state
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_optimizer_state
 
 from unit.common import DistributedTest
-from unit.checkpoint.autotp_common import (LR, build_model, ds_config, global_batches, param_group_hyperparameters,
-                                           train_engine, train_reference, trainer_param_groups)
+
+LR = 1e-2
+STEPS = 3
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=128,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_position_embeddings=16))
+
+
+def trainer_param_groups(model):
+    """The groups the Hugging Face Trainer builds: weight decay on matrices, none on norm weights."""
+    return [{
+        "params": [param for param in model.parameters() if param.dim() >= 2],
+        "weight_decay": 0.1
+    }, {
+        "params": [param for param in model.parameters() if param.dim() < 2],
+        "weight_decay": 0.0
+    }]
+
+
+def ds_config(stage):
+    # The reference does not clip, and trains with torch.optim.Adam (not AdamW).
+    return {
+        "train_batch_size": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": LR,
+                "torch_adam": True,
+                "adam_w_mode": False
+            }
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+    }
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1235)
+    return [torch.randint(0, 128, (4, 8), generator=generator) for _ in range(STEPS)]
+
+
+def train(engine, steps):
+    """Each of the 2 ranks trains on its half of every batch; the losses of the whole batches."""
+    losses = []
+    for batch in batches()[:steps]:
+        ids = batch.chunk(2)[dist.get_rank()].to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        reduced = loss.detach().float()
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / 2)
+    return losses
+
+
+def train_reference(optimizer_class, steps, lr=LR):
+    """The same model and batches in this process alone; the optimizer, and the losses."""
+    model = build_model()
+    optimizer = optimizer_class(trainer_param_groups(model), lr=lr)
+    losses = []
+    for batch in batches()[:steps]:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, optimizer, losses
 
 
 class TestOptimizerParamGroups(DistributedTest):
@@ -36,18 +114,12 @@ class TestOptimizerParamGroups(DistributedTest):
 
     @pytest.mark.parametrize("stage", [1, 2])
     def test_safe_get_full_optimizer_state(self, stage):
-        groups._release_process_group_references(None)
         model = build_model()
         engine, _, _, _ = deepspeed.initialize(model=model,
-                                               config=ds_config(stage, tp_size=1),
+                                               config=ds_config(stage),
                                                model_parameters=trainer_param_groups(model))
-        train_engine(engine, 1, 1)
-
-        reference = build_model()
-        optimizer = torch.optim.Adam(trainer_param_groups(reference), lr=LR)
-        batch = global_batches(1, reference.config.vocab_size)[0]
-        reference(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
+        train(engine, 1)
+        reference, optimizer, _ = train_reference(torch.optim.Adam, 1)
 
         reference_params = dict(reference.named_parameters())
         for name, param in engine.module.named_parameters():
@@ -62,9 +134,8 @@ class TestOptimizerParamGroups(DistributedTest):
 
     @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_adagrad(self, stage):
-        groups._release_process_group_references(None)
         model = build_model()
-        config = ds_config(stage, tp_size=1)
+        config = ds_config(stage)
         del config["optimizer"]
         config["zero_allow_untested_optimizer"] = True
         optimizer = torch.optim.Adagrad(trainer_param_groups(model), lr=LR)
@@ -75,10 +146,9 @@ class TestOptimizerParamGroups(DistributedTest):
             optimizer=optimizer,
             lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda _: 0.5))
         assert [(group["lr"], group["weight_decay"])
-                for group in param_group_hyperparameters(engine)] == [(LR / 2, 0.1), (LR / 2, 0.0)]
-        losses = train_engine(engine, 1, 3)
+                for group in engine.optimizer.optimizer.param_groups] == [(LR / 2, 0.1), (LR / 2, 0.0)]
+        losses = train(engine, STEPS)
 
-        _, expected = train_reference(3,
-                                      make_optimizer=lambda m: torch.optim.Adagrad(trainer_param_groups(m), lr=LR / 2))
+        _, _, expected = train_reference(torch.optim.Adagrad, STEPS, lr=LR / 2)
         assert losses == pytest.approx(expected, rel=1e-4)
         engine.destroy()

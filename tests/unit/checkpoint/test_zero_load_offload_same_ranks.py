@@ -6,8 +6,8 @@
 switch ``offload_optimizer`` on between runs to fit a larger model. A 2-rank job of a small Llama
 trains two steps with torch's Adam and the Hugging Face Trainer's two parameter groups, saves, and
 trains on; a job with the same config but the optimizer offloaded (DeepSpeed's CPU Adam) loads the
-checkpoint. Each group keeps its saved hyperparameters and CPU Adam's own settings, the gathered Adam
-moments are the saved ones, and the next losses are those of the run that went on. ZeRO-2 and -3.
+checkpoint. Each group keeps its saved hyperparameters and CPU Adam's own settings, and the next
+losses are those of the run that went on. ZeRO-2 and -3.
 
 Before, the load succeeded and the next step failed with ``KeyError: 'bias_correction'``: torch's
 ``load_state_dict`` put torch's Adam's groups in place of CPU Adam's.
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import deepspeed
-from deepspeed.utils import safe_get_full_optimizer_state
 
 from unit.common import DistributedTest
 
@@ -76,14 +75,6 @@ def train(engine, first_step, steps):
     return losses
 
 
-def adam_states(engine):
-    return {
-        (name, key): safe_get_full_optimizer_state(param, key).clone()
-        for name, param in engine.module.named_parameters()
-        for key in ("exp_avg", "exp_avg_sq")
-    }
-
-
 class TestResumeWithOptimizerOffloaded(DistributedTest):
     world_size = 2
     reuse_dist_env = True
@@ -93,7 +84,6 @@ class TestResumeWithOptimizerOffloaded(DistributedTest):
         engine = initialize(stage, offload=False)
         train(engine, 0, SAVE_STEPS)
         engine.save_checkpoint(str(tmpdir), tag=TAG)
-        saved_states = adam_states(engine)
         saved_groups = [{
             key: value
             for key, value in group.items() if key != "params"
@@ -111,8 +101,6 @@ class TestResumeWithOptimizerOffloaded(DistributedTest):
         for group, saved, own in zip(engine.optimizer.optimizer.param_groups, saved_groups, own_settings):
             assert {key: group[key] for key in saved if key != "params"} == saved
             assert {key: group[key] for key in own} == own
-        for key, value in adam_states(engine).items():
-            torch.testing.assert_close(value, saved_states[key], msg=lambda m: f"{key}: {m}")
         losses = train(engine, SAVE_STEPS, RESUME_STEPS)
         assert losses == pytest.approx(uninterrupted, rel=1e-5)
         engine.destroy()

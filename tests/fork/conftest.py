@@ -4,7 +4,6 @@
 # DeepSpeed Team
 """Fixtures for the tests of the fork's own tooling (forktools): these never go upstream."""
 
-import glob
 import os
 import shutil
 import subprocess
@@ -89,19 +88,6 @@ def git(queue, *args):
                           text=True)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
-
-
-def remove_shm_segments(port):
-    """Remove the /dev/shm segments (about 66 MiB per rank) of the job that ran on ``port``, once it has exited.
-
-    The pinned upstream release's CPU comm op (csrc/cpu/comm/shm.cpp) never unlinks them; the fork removes
-    their names as soon as every rank has mapped them (topic `cpu-shm-allreduce-cleanup`), so this finds nothing after a fork run.
-    """
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ of ``latest`` in the checkpoint folder): here a process that writes rank 1's opt
 ``global_step1``, and then ``latest``, through ``atomic_write``, as a rank of a save does, is
 SIGKILLed in the middle of it. A 2-rank ZeRO-2 job then saves ``global_step1`` while its rank 1 is
 still writing a file of its own into the tag's folder: the killed process's temporaries must be
-gone, the one being written must be kept (and complete), and the new save must load.
+gone, the one being written must be kept (and complete), and the new save must load. No rank writes
+into the tag before the reclamation is done, even where the reclaiming rank cannot see another
+node's locks.
 """
 
 import os
@@ -17,11 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+
+import torch
 
 from deepspeed.checkpoint.utils import atomic_write
 import deepspeed.comm as dist
 
-from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
+from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize, train_step
 from unit.common import DistributedTest
 
 KILLED_SAVE = """
@@ -94,3 +99,45 @@ class TestCheckpointReclaimTemps(DistributedTest):
             assert fd.read() == "written while the tag was saved"
         load_path, _ = initialize(2).load_checkpoint(save_dir)
         assert os.path.basename(os.path.dirname(load_path)) == "global_step1", load_path
+
+
+class TestReclaimBeforeWriting(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_live_write_survives_a_lock_the_reclaiming_rank_cannot_see(self, tmpdir):
+        """Where ``flock`` is local to a node (NFS mounted ``nolock``, Lustre ``localflock``), the rank
+        that reclaims a tag's temporaries cannot see the locks of other nodes' writers: no rank may
+        write into the tag before the reclamation is done."""
+        from deepspeed.checkpoint import utils
+        from deepspeed.runtime import engine as engine_module
+        save_dir = str(tmpdir)
+        engine = initialize(2)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint")
+        train_step(engine)
+        real_lock, real_reclaim, real_save = utils._lock, engine_module.remove_abandoned_temps, torch.save
+
+        def slow_reclaim(*args, **kwargs):
+            time.sleep(1)
+            real_reclaim(*args, **kwargs)
+
+        def slow_save(obj, f, *args, **kwargs):
+            real_save(obj, f, *args, **kwargs)
+            time.sleep(2)
+
+        if dist.get_rank() == 0:
+            utils._lock = lambda fd, blocking: True  # every other writer's lock unseen
+            engine_module.remove_abandoned_temps = slow_reclaim
+        else:
+            torch.save = slow_save
+        try:
+            engine.save_checkpoint(save_dir, tag="checkpoint")
+        finally:
+            utils._lock, engine_module.remove_abandoned_temps, torch.save = real_lock, real_reclaim, real_save
+        weights = full_weights(engine)
+        fresh = initialize(2)
+        fresh.load_checkpoint(save_dir)
+        loaded = full_weights(fresh)
+        for name, tensor in weights.items():
+            assert torch.equal(loaded[name], tensor), name

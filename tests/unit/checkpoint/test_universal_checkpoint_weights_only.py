@@ -57,13 +57,14 @@ def initialize(load_universal=False):
 
 
 def universal_args(input_folder, output_folder):
+    # inject_missing_state: 0.19.8 converts a plain ZeRO-1/2 checkpoint only with it.
     return argparse.Namespace(input_folder=input_folder,
                               output_folder=output_folder,
                               num_extract_workers=1,
                               num_merge_workers=1,
                               keep_temp_folder=False,
                               strict=True,
-                              inject_missing_state=False,
+                              inject_missing_state=True,
                               weights_only=True)
 
 
@@ -92,11 +93,11 @@ class TestUniversalCheckpointWeightsOnly(DistributedTest):
             convert_to_universal(universal_args(os.path.join(save_dir, "payload"), output))
         assert not os.path.exists(output)
         refused = run("deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(save_dir, "payload"),
-                      "--output_folder", output)
+                      "--output_folder", output, "--inject_missing_state")
         assert refused.returncode != 0 and "io.open" in refused.stdout, refused.stdout
         assert not os.path.exists(marker) and not os.path.exists(output)
         trusted = run("deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(save_dir, "payload"),
-                      "--output_folder", output, "--no_weights_only")
+                      "--output_folder", output, "--inject_missing_state", "--no_weights_only")
         assert trusted.returncode == 0, trusted.stdout
         assert os.path.exists(marker) and os.path.isdir(os.path.join(output, "zero"))
         os.remove(marker)

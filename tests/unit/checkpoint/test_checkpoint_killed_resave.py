@@ -60,11 +60,12 @@ class TestTagSavedAgain(DistributedTest):
         assert fresh.global_steps == engine.global_steps
 
 
-def run_job(*args):
+def run_job(job, *args):
+    """Run the file ``job`` on 2 ranks with ``args``."""
     from unit.common import get_master_port
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={get_master_port()}", __file__, *map(str, args)
+        f"--master_port={get_master_port()}", job, *map(str, args)
     ]
     tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
@@ -76,11 +77,11 @@ def killed_resaves(tmp_path_factory):
     root = tmp_path_factory.mktemp("killed-resaves")
     save_dirs = [root / f"stage{stage}" for stage in STAGES]
     for stage, save_dir in zip(STAGES, save_dirs):
-        proc = run_job("save", stage, save_dir)
+        proc = run_job(__file__, "save", stage, save_dir)
         assert f"rank 0: killed at its first rename, after rank 1 renamed {OTHER_RANKS_OPTIMIZER_FILE}" in proc.stdout, \
             proc.stdout
         assert proc.returncode != 0, proc.stdout
-    proc = run_job("load", *save_dirs)
+    proc = run_job(__file__, "load", *save_dirs)
     assert proc.returncode == 0, proc.stdout
     return save_dirs, proc.stdout
 

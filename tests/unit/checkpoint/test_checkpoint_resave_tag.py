@@ -20,10 +20,7 @@ This file is also the job: ``python -m torch.distributed.run ... test_checkpoint
 import io
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from contextlib import redirect_stdout
 
 import pytest
@@ -32,13 +29,12 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.checkpoint.verify_checkpoint import main as verify_checkpoint
 
+from unit.checkpoint.test_checkpoint_killed_resave import (MANIFEST, OTHER_RANKS_OPTIMIZER_FILE, assert_same_weights,
+                                                           die_at_the_first_rename_once_rank_1_renamed, run_job)
 from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize, say, train_step
 from unit.common import DistributedTest
 
 KILLED = [(2, True), (3, True)]
-OTHER_RANKS_OPTIMIZER_FILE = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-# Where a save records the files it wrote.
-MANIFEST = "checkpoint_manifest.json"
 
 
 class RunConfig:
@@ -53,12 +49,6 @@ def ds_verify_checkpoint(*args):
     with redirect_stdout(output):
         returncode = verify_checkpoint(list(args))
     return returncode, output.getvalue()
-
-
-def assert_same_weights(engine, expected):
-    actual = full_weights(engine)
-    for name, tensor in expected.items():
-        assert torch.equal(actual[name], tensor), name
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -146,27 +136,16 @@ class TestFailedBackgroundSave(DistributedTest):
         engine.destroy()
 
 
-def run_job(*args):
-    from unit.common import get_master_port
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={get_master_port()}", __file__, *map(str, args)
-    ]
-    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    return subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def killed_resaves(tmp_path_factory):
     root = tmp_path_factory.mktemp("killed-resaves")
     save_dirs = [root / f"stage{stage}{'-async' if async_save else ''}" for stage, async_save in KILLED]
     for (stage, async_save), save_dir in zip(KILLED, save_dirs):
-        proc = run_job("save", stage, int(async_save), save_dir)
+        proc = run_job(__file__, "save", stage, int(async_save), save_dir)
         assert f"rank 0: killed at its first rename, after rank 1 renamed {OTHER_RANKS_OPTIMIZER_FILE}" in proc.stdout, \
             proc.stdout
         assert proc.returncode != 0, proc.stdout
-    proc = run_job("load", *save_dirs)
+    proc = run_job(__file__, "load", *save_dirs)
     assert proc.returncode == 0, proc.stdout
     return save_dirs, proc.stdout
 
@@ -186,25 +165,6 @@ def test_rank_killed_while_the_tag_is_saved_again(killed_resaves, index):
 
 
 # The job, on every rank.
-
-
-def die_at_the_first_rename_once_rank_1_renamed(folder):
-    """SIGKILL this process at its first rename of a checkpoint file into ``folder``, once the other rank
-    has renamed its new optimizer file there."""
-    other = os.path.join(folder, OTHER_RANKS_OPTIMIZER_FILE)
-    earlier = os.stat(other).st_ino
-    real_replace = os.replace
-
-    def replace(src, dst, *args, **kwargs):
-        if os.path.dirname(os.path.abspath(dst)) == folder and str(dst).endswith(".pt"):
-            deadline = time.monotonic() + 120
-            while os.stat(other).st_ino == earlier and time.monotonic() < deadline:
-                time.sleep(0.05)
-            say(f"rank 0: killed at its first rename, after rank 1 renamed {OTHER_RANKS_OPTIMIZER_FILE}")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_replace(src, dst, *args, **kwargs)
-
-    os.replace = replace
 
 
 def save_again_then_die(stage, async_save, save_dir):

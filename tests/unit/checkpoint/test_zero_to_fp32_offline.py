@@ -33,6 +33,7 @@ from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_
 
 from unit.common import DistributedTest
 from unit.checkpoint.autotp_common import initialize, llama_config, train_engine, train_reference
+from unit.checkpoint.test_zero_to_fp32_without_huggingface_hub import RUN_SCRIPT, without_packages
 
 STEPS = 2
 TAG = "step2"
@@ -40,20 +41,12 @@ ATOL = 2e-3  # see test_autotp_zero_to_fp32.py
 SHARD = "100KB"  # the model is 0.36 MB in fp32: several shards
 
 # Makes `import huggingface_hub` and `import safetensors` fail, as on a fresh install of deepspeed.
-FRESH_INSTALL = """
-import sys
-class FreshInstall:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("huggingface_hub", "safetensors"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, FreshInstall())
-"""
+FRESH_INSTALL = without_packages("huggingface_hub", "safetensors")
 
 # Runs the saved script in a process that is SIGKILLed the N-th time it renames a finished file into
 # place, i.e. half way through writing its output.
 KILLED_RUN = FRESH_INSTALL + """
-import os, runpy, signal
+import os, signal
 when, count = sys.argv.pop(1), int(sys.argv.pop(1))
 calls = []
 original = getattr(os, when)
@@ -63,18 +56,13 @@ def killing(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return original(*args, **kwargs)
 setattr(os, when, killing)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+""" + RUN_SCRIPT
 
 
 def run_script(save_dir, output_dir, *options, killed_at=None):
     script = os.path.join(save_dir, "zero_to_fp32.py")
     if killed_at is None:
-        command = [
-            sys.executable, "-c", FRESH_INSTALL + "import runpy, sys\nsys.argv = sys.argv[1:]\n"
-            "runpy.run_path(sys.argv[0], run_name='__main__')\n", script
-        ]
+        command = [sys.executable, "-c", FRESH_INSTALL + RUN_SCRIPT, script]
     else:
         command = [sys.executable, "-c", KILLED_RUN, *map(str, killed_at), script]
     result = subprocess.run(command + [save_dir, output_dir, *options], capture_output=True, text=True)

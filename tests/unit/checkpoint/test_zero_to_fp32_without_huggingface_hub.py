@@ -26,15 +26,23 @@ from unit.common import DistributedTest
 
 TAG = "step1"
 
-# Makes `import huggingface_hub` fail, as on a fresh install of deepspeed, and runs the script.
-WITHOUT_HUGGINGFACE_HUB = """
-import runpy, sys
-class WithoutHuggingfaceHub:
+
+def without_packages(*packages):
+    """Python source that makes importing ``packages`` fail, as on an install of deepspeed without them."""
+    return f"""
+import sys
+class WithoutPackages:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "huggingface_hub":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        if name.split(".")[0] in {packages!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
-sys.meta_path.insert(0, WithoutHuggingfaceHub())
+sys.meta_path.insert(0, WithoutPackages())
+"""
+
+
+# Runs the script that follows it on the command line, as `python script.py ...` does.
+RUN_SCRIPT = """
+import runpy, sys
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -42,10 +50,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def run_script(checkpoint_dir, output_dir, *options):
     script = os.path.join(checkpoint_dir, "zero_to_fp32.py")
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_HUGGINGFACE_HUB, script, checkpoint_dir, output_dir, *options],
-        capture_output=True,
-        text=True)
+    command = [sys.executable, "-c", without_packages("huggingface_hub") + RUN_SCRIPT, script]
+    result = subprocess.run(command + [checkpoint_dir, output_dir, *options], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -26,9 +26,10 @@ Usage, from the repository root, with the fork installed:
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
+
+from checkpoint_tools import free_port
 
 JOB = """
 import atexit, sys
@@ -54,12 +55,6 @@ dist.barrier()
 """
 
 VARIANTS = ["deepspeed", "deepspeed-no-exit-destroy", "torch", "torch-destroy"]
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(variant):

@@ -31,12 +31,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from checkpoint_tools import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = 256
@@ -44,12 +45,6 @@ SIZED_LAYERS = 4
 BATCH = 8
 # By subject, not number: a refresh onto a new release renumbers the series.
 GATE_ONLY_SUBJECT = "zero3: gate the fetch all-gather on pending status, not numel"
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prepare_trees(workdir):

@@ -7,8 +7,9 @@ host copy of what it saves, and writes the files in the background.
 
 A 2-rank job at ZeRO-2 and ZeRO-3 saves in the background and takes a step right after the call
 returns, before the files are written: what it wrote must be what a synchronous save of the same
-state writes, file by file and tensor by tensor, and `latest` must name the tag once the save is
-done. So must a job of one rank at ZeRO-1 in bf16, a 2-rank ZeRO-0 job in bf16 and a 2-rank ZeRO-1
+state writes, file by file and tensor by tensor, and `latest` must name the tag once that step
+returns: the next optimizer step waits for the save, so that a framework that removes the last
+checkpoint folder before its next save finds it complete. So must a job of one rank at ZeRO-1 in bf16, a 2-rank ZeRO-0 job in bf16 and a 2-rank ZeRO-1
 job with a Megatron-style ``mpu`` of tensor-parallel size 2. A write that fails on one rank (a
 folder in the way of its optimizer file) must be raised on every rank at the next save, naming the
 tag, the rank and the cause, with `latest` left on the last complete tag; the save after that works.
@@ -16,8 +17,10 @@ tag, the rank and the cause, with `latest` left on the last complete tag; the sa
 A rank SIGKILLed half way through writing its optimizer file in the background, while training
 goes on, must leave `latest` on the previous tag and no truncated file under a final name, and the
 next job resumes from the previous tag. A script whose last background save fails and that then
-ends must exit with an error naming the tag and the cause. This file is also those jobs: ``python -m
-torch.distributed.run ... test_checkpoint_async_save.py save STAGE DIR`` (or ``exit DIR``).
+ends must exit with an error naming the tag and the cause. A 2-rank script that destroys the process
+group right after its last save, as accelerate's ``end_training()`` does, must exit 0 with `latest`
+naming that save. This file is also those jobs: ``python -m torch.distributed.run ...
+test_checkpoint_async_save.py save STAGE DIR`` (or ``exit DIR``, ``destroy DIR``).
 """
 
 import os
@@ -65,23 +68,29 @@ def assert_same_checkpoint_as_a_synchronous_save(save_dir, stage, **job):
 
     engine = initialize(stage, async_save=True, **job)
     train_step(engine)
-    # Training goes on while the files are written: the save must not see the next step, which is
-    # taken before the background writes begin.
+    # Training goes on while the files are written: the save must not see the next step, whose
+    # weights are updated before the background writes begin (the step then waits for the save).
     step_taken, real_save, training = threading.Event(), torch.save, threading.current_thread()
+    wait_for_async_save = engine.wait_for_async_save
 
     def save_after_the_step(*args, **kwargs):
         if threading.current_thread() is not training:
             step_taken.wait()
         return real_save(*args, **kwargs)
 
+    def wait_after_the_step():
+        step_taken.set()
+        wait_for_async_save()
+
     torch.save = save_after_the_step
     try:
         engine.save_checkpoint(save_dir, tag="async")
+        engine.wait_for_async_save = wait_after_the_step
         train_step(engine)
-        step_taken.set()
-        engine.wait_for_async_save()
     finally:
+        step_taken.set()
         torch.save = real_save
+        del engine.wait_for_async_save
     with open(os.path.join(save_dir, "latest")) as fd:
         assert fd.read() == "async"
 
@@ -221,6 +230,18 @@ def test_background_save_that_fails_fails_the_job_at_exit(tmp_path):
     assert (save_dir / "latest").read_text() == "global_step1"
 
 
+def test_process_group_destroyed_right_after_the_save(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    proc = run_job(2, "destroy", save_dir)
+    assert proc.stdout.count("process group destroyed") == 2, proc.stdout
+    assert proc.returncode == 0, proc.stdout
+    assert (save_dir / "latest").read_text() == "global_step1"
+    assert sorted(name for name in os.listdir(save_dir / "global_step1") if name.endswith(".pt")) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ]
+
+
 def save_then_die(stage, save_dir):
     engine = initialize(stage, async_save=True)
     train_step(engine)
@@ -250,10 +271,21 @@ def fail_then_exit(save_dir):
     killed_save.say("save_checkpoint returned")
 
 
+def save_then_destroy(save_dir):
+    """The script's last save, then the process group destroyed, as accelerate's end_training() does."""
+    engine = initialize(2, async_save=True)
+    train_step(engine)
+    engine.save_checkpoint(save_dir, tag="global_step1")
+    torch.distributed.destroy_process_group()
+    killed_save.say(f"rank {engine.global_rank}: process group destroyed")
+
+
 if __name__ == "__main__":
     import deepspeed
     deepspeed.init_distributed()
     if sys.argv[1] == "exit":
         fail_then_exit(sys.argv[2])
+    elif sys.argv[1] == "destroy":
+        save_then_destroy(sys.argv[2])
     else:
         save_then_die(int(sys.argv[2]), sys.argv[3])

@@ -2,18 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""With the comms logger on, the thread of a background save neither times its collectives nor
+"""With the comms logger on, the thread of a background save neither times collectives nor
 synchronizes the device.
 
 To time a collective for the comms logger, deepspeed.comm synchronizes the device after it (with MPI,
 it also calls a barrier of the whole world) and keeps the time in one table for the job. From the
-thread that writes a background save beside training, that stalls training's stream, calls a world
-collective that training's collectives can interleave with, and mixes the save's calls into the
-record of training's. A 2-rank ZeRO-2 job with the comms logger timing every call saves in the
-background, and ``threading.setprofile()`` records each call in the save's thread into the comms
-logger and each synchronization of the device: there must be none, and the save must complete with
-`latest` naming the tag. Before, each of the thread's three collectives (two ``all_gather_object``,
-a ``barrier``) synchronized the device and was logged.
+thread that writes a background save beside training, that would stall training's stream, call a world
+collective that training's collectives can interleave with, and mix the save's calls into the record
+of training's. The thread meets the other ranks through a store of its own instead. A 2-rank ZeRO-2
+job with the comms logger timing every call saves in the background, and ``threading.setprofile()``
+records each call in the save's thread into the comms logger and each synchronization of the device:
+there must be none, and the save must complete with `latest` naming the tag.
 """
 
 import os

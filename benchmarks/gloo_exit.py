@@ -11,17 +11,28 @@ still hold the last collective's work when Python is finalized (pytorch#190489).
 
 Each run starts 2 processes (``RANK``/``WORLD_SIZE`` in the environment, as a launcher sets them)
 that initialize, all-reduce 20 times, meet at a barrier and exit; a run fails when either exits
-non-zero. The variants, interleaved run by run:
+non-zero. With ``--job gather`` they do what a ZeRO-3 engine does instead: a Python object holds
+the process group (as the engine and ``deepspeed.utils.groups`` do), each step all-gathers into a
+view of a parameter's buffer and drops it, the last gather is still in flight at the barrier, and
+the script ends. There the destroy is not enough: a gloo worker frees the gathered tensors after the
+barrier has completed, and needs the GIL for it; once Python finalizes, taking it aborts the process.
+The variants, interleaved run by run:
 
 - ``deepspeed``: ``deepspeed.init_distributed(dist_backend="gloo")``, the installed fork as it is;
 - ``deepspeed-no-exit-destroy``: the same, with the fork's exit handler unregistered after
   ``init_distributed`` (0.19.8's behaviour);
+- ``deepspeed-destroy-only``: the same, with the handler replaced by a bare destroy of the process
+  group (the handler without its wait for the worker threads);
 - ``torch``: ``torch.distributed.init_process_group("gloo")``, no destroy;
-- ``torch-destroy``: the same, with ``destroy_process_group()`` registered with ``atexit``.
+- ``torch-destroy``: the same, with ``destroy_process_group()`` registered with ``atexit``;
+- ``torch-destroy-wait``: the same, followed by the fork handler's wait (0.1 s with the GIL
+  released).
 
-Usage, from the repository root, with the fork installed:
+Usage, from the repository root, with the fork installed (``--load N`` runs N busy processes beside
+the jobs, as a loaded CI machine does):
 
-    python benchmarks/gloo_exit.py [--runs 40] [--variants deepspeed,deepspeed-no-exit-destroy]
+    python benchmarks/gloo_exit.py [--runs 40] [--job all_reduce|gather] [--load 2] \
+        [--variants deepspeed,deepspeed-no-exit-destroy]
 """
 
 import argparse
@@ -35,29 +46,46 @@ JOB = """
 import atexit, sys
 import torch
 
-variant = sys.argv[1]
+variant, job = sys.argv[1:3]
 if variant.startswith("deepspeed"):
     import deepspeed
     import deepspeed.comm as dist
     deepspeed.init_distributed(dist_backend="gloo")
-    if variant == "deepspeed-no-exit-destroy":
+    if variant != "deepspeed":
         from deepspeed.comm.torch import _destroy_process_group_at_exit
         atexit.unregister(_destroy_process_group_at_exit)
+    if variant == "deepspeed-destroy-only":
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 else:
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    if variant == "torch-destroy":
+    if variant == "torch-destroy-wait":
+        # atexit runs the last registered first: the destroy, then this wait.
+        import time
+        atexit.register(time.sleep, 0.1)
+    if variant.startswith("torch-destroy"):
         atexit.register(dist.destroy_process_group)
-x = torch.ones(1 << 16)
-for _ in range(20):
-    dist.all_reduce(x)
+if job == "all_reduce":
+    x = torch.ones(1 << 16)
+    for _ in range(20):
+        dist.all_reduce(x)
+else:
+    held = [torch.distributed.group.WORLD]
+    for step in range(50):
+        flat = torch.nn.Parameter(torch.zeros(2 << 10), requires_grad=False)
+        work = dist.all_gather_into_tensor(flat.view(-1), torch.ones(1 << 10), async_op=True)
+        if step < 49:
+            work.wait()
+        del flat, work
 dist.barrier()
 """
 
-VARIANTS = ["deepspeed", "deepspeed-no-exit-destroy", "torch", "torch-destroy"]
+VARIANTS = [
+    "deepspeed", "deepspeed-no-exit-destroy", "deepspeed-destroy-only", "torch", "torch-destroy", "torch-destroy-wait"
+]
 
 
-def run(variant):
+def run(variant, job):
     """Run the job once on 2 ranks; return the exit statuses."""
     port = free_port()
     procs = []
@@ -70,7 +98,7 @@ def run(variant):
                    LOCAL_RANK=str(rank),
                    OMP_NUM_THREADS="1")
         procs.append(
-            subprocess.Popen([sys.executable, "-c", JOB, variant],
+            subprocess.Popen([sys.executable, "-c", JOB, variant, job],
                              env=env,
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL))
@@ -81,14 +109,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--job", choices=["all_reduce", "gather"], default="all_reduce")
+    parser.add_argument("--load", type=int, default=0, help="busy processes to run beside the jobs")
     args = parser.parse_args()
     variants = args.variants.split(",")
     failed = {variant: [] for variant in variants}
-    for _ in range(args.runs):
-        for variant in variants:
-            statuses = run(variant)
-            if any(statuses):
-                failed[variant].append(statuses)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        for _ in range(args.runs):
+            for variant in variants:
+                statuses = run(variant, args.job)
+                if any(statuses):
+                    failed[variant].append(statuses)
+    finally:
+        for proc in load:
+            proc.kill()
     print("| variant | runs | failed | exit statuses of the failed runs |")
     print("|---|---|---|---|")
     for variant in variants:

@@ -20,34 +20,19 @@ DeepSpeed backend not set"), and the one with ``total_limit=1`` failed deleting 
 (``OSError: [Errno 39] Directory not empty``) or writing into it (``FileNotFoundError``).
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from unit.common import get_master_port
+from example_jobs import REPO, torchrun
 
 pytest.importorskip("accelerate")
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "accelerate_resume" / "train.py"
 
 
 def train(num_ranks, out, stage, steps, *args):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-        str(num_ranks), "--master_port",
-        str(get_master_port()),
-        str(TRAIN), "--output_dir",
-        str(out), "--stage",
-        str(stage), "--steps",
-        str(steps), *args
-    ]
-    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout
-    assert f"distributed type DEEPSPEED, world size {num_ranks}" in proc.stdout, proc.stdout
-    return proc.stdout
+    log = torchrun(TRAIN, num_ranks, "--output_dir", out, "--stage", stage, "--steps", steps, *args)
+    assert f"distributed type DEEPSPEED, world size {num_ranks}" in log, log
+    return log
 
 
 def losses(log):

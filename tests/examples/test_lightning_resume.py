@@ -15,33 +15,17 @@ Before, each resume was refused: "needs ... omegaconf.dictconfig.DictConfig ... 
 the validation failed, "'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'".
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from unit.common import get_master_port
+from example_jobs import REPO, torchrun
 
 pytest.importorskip("pytorch_lightning")
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "lightning_resume" / "train.py"
 
 
 def train(num_ranks, out, stage, max_epochs, *args):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-        str(num_ranks), "--master_port",
-        str(get_master_port()),
-        str(TRAIN), "--output_dir",
-        str(out), "--stage",
-        str(stage), "--max_epochs",
-        str(max_epochs), *args
-    ]
-    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout
-    return proc.stdout
+    return torchrun(TRAIN, num_ranks, "--output_dir", out, "--stage", stage, "--max_epochs", max_epochs, *args)
 
 
 @pytest.mark.parametrize("stage, resume_ranks", [(2, 2), (3, 1)])

@@ -9,10 +9,11 @@ A 2-rank job at ZeRO-2 and ZeRO-3 saves in the background and takes a step right
 returns, before the files are written: what it wrote must be what a synchronous save of the same
 state writes, file by file and tensor by tensor, and `latest` must name the tag once that step
 returns: the next optimizer step waits for the save, so that a framework that removes the last
-checkpoint folder before its next save finds it complete. So must a job of one rank at ZeRO-1 in bf16, a 2-rank ZeRO-0 job in bf16 and a 2-rank ZeRO-1
-job with a Megatron-style ``mpu`` of tensor-parallel size 2. A write that fails on one rank (a
-folder in the way of its optimizer file) must be raised on every rank at the next save, naming the
-tag, the rank and the cause, with `latest` left on the last complete tag; the save after that works.
+checkpoint folder before its next save finds it complete. So must a job of one rank at ZeRO-1 in
+bf16, a 2-rank ZeRO-0 job in bf16 and a 2-rank ZeRO-1 job with a Megatron-style ``mpu`` of
+tensor-parallel size 2. A write that fails on one rank (a folder in the way of its optimizer file)
+must be raised on every rank at the next save, naming the tag, the rank and the cause, with `latest`
+left on the last complete tag; the save after that works.
 
 A rank SIGKILLed half way through writing its optimizer file in the background, while training
 goes on, must leave `latest` on the previous tag and no truncated file under a final name, and the

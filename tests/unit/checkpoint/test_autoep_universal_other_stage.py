@@ -1,0 +1,67 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""A universal checkpoint of an AutoEP model loads at another ZeRO stage than the one it was
+converted from: ZeRO-3 -> ZeRO-2 and ZeRO-2 -> ZeRO-3, at expert-parallel size 2 on two ranks.
+Right after the load every parameter's weights, fp32 weights and Adam moments are the saved ones,
+and the next loss is that of the run that went on uninterrupted.
+
+The model states files of the checkpoint keep the names of the stage that saved it (ZeRO-3 names
+them after each data-parallel rank). Before, the load of an MoE model looked for its own stage's
+names only, and raised a bare AssertionError, finding none.
+"""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+from unit.checkpoint.test_pipeline_moe_other_topology import (TAG, batch, convert_to_universal, make_engine)
+from unit.common import DistributedTest
+
+
+def param_states(engine):
+    """Each parameter's weights (this rank's experts'), fp32 weights and Adam moments."""
+    states = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights = param.detach().clone()
+        states[name] = [weights, safe_get_full_fp32_param(param)]
+        states[name] += [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+    return states
+
+
+def step(engine, seed):
+    loss = engine(*batch(seed))
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
+
+
+class TestAutoEPUniversalOtherStage(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("saved_stage, stage", [(3, 2), (2, 3)])
+    def test_loads_at_other_stage(self, saved_stage, stage, tmpdir):
+        save_dir = str(tmpdir)
+        engine = make_engine("autoep", 2, saved_stage)
+        step(engine, seed=0)
+        engine.save_checkpoint(save_dir, tag=TAG)
+        saved = param_states(engine)
+        next_loss = step(engine, seed=1)
+        if dist.get_rank() == 0:
+            convert_to_universal(os.path.join(save_dir, TAG), os.path.join(save_dir, "universal"))
+        dist.barrier()
+
+        loaded = make_engine("autoep", 2, stage, load_universal=True)
+        loaded.load_checkpoint(save_dir, tag="universal")
+        for name, tensors in param_states(loaded).items():
+            for kind, tensor, saved_tensor in zip(("weight", "fp32", "exp_avg", "exp_avg_sq"), tensors, saved[name]):
+                assert torch.equal(tensor, saved_tensor), f"{name} {kind}"
+        assert torch.allclose(step(loaded, seed=1), next_loss, rtol=1e-6, atol=0)

@@ -5,11 +5,13 @@
 """A universal checkpoint of an AutoEP model loads at another ZeRO stage than the one it was
 converted from: ZeRO-3 -> ZeRO-2 and ZeRO-2 -> ZeRO-3, at expert-parallel size 2 on two ranks.
 Right after the load every parameter's weights, fp32 weights and Adam moments are the saved ones,
-and the next loss is that of the run that went on uninterrupted.
+and the next loss is that of the run that went on uninterrupted. A load of the checkpoint itself at
+the other stage, which cannot move MoE layers' states from the rank files, is refused on every rank
+before anything changes, naming both stages and ``ds_to_universal``.
 
 The model states files of the checkpoint keep the names of the stage that saved it (ZeRO-3 names
 them after each data-parallel rank). Before, the load of an MoE model looked for its own stage's
-names only, and raised a bare AssertionError, finding none.
+names only, and raised a bare AssertionError, finding none, for both loads.
 """
 
 import os
@@ -19,6 +21,7 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 from unit.checkpoint.test_pipeline_moe_other_topology import (TAG, batch, convert_to_universal, make_engine)
@@ -58,6 +61,15 @@ class TestAutoEPUniversalOtherStage(DistributedTest):
         if dist.get_rank() == 0:
             convert_to_universal(os.path.join(save_dir, TAG), os.path.join(save_dir, "universal"))
         dist.barrier()
+
+        # Straight from the rank files it is refused on every rank, naming both stages, before anything changes.
+        fresh = make_engine("autoep", 2, stage)
+        step(fresh, seed=2)
+        before = param_states(fresh)
+        with pytest.raises(ZeRORuntimeException, match=f"saved at .*, at ZeRO stage {stage}: .* ds_to_universal"):
+            fresh.load_checkpoint(save_dir, tag=TAG)
+        for name, tensors in param_states(fresh).items():
+            assert all(torch.equal(a, b) for a, b in zip(tensors, before[name])), name
 
         loaded = make_engine("autoep", 2, stage, load_universal=True)
         loaded.load_checkpoint(save_dir, tag="universal")

@@ -157,8 +157,10 @@ def train_reference(steps, uneven=False, make_optimizer=None):
     return model, losses
 
 
-def convert_to_universal_checkpoint(input_folder, output_folder):
-    """``ds_to_universal --input_folder input_folder --output_folder output_folder``, in this process."""
+def convert_to_universal_checkpoint(input_folder, output_folder, inject_missing_state=False):
+    """``ds_to_universal --input_folder input_folder --output_folder output_folder``, in this process
+    (with ``--inject_missing_state``, which deepspeed 0.19.8 needs for a checkpoint without
+    ``universal_checkpoint_info``, if ``inject_missing_state``)."""
     from deepspeed.checkpoint.ds_to_universal import main
     main(
         argparse.Namespace(input_folder=input_folder,
@@ -167,7 +169,7 @@ def convert_to_universal_checkpoint(input_folder, output_folder):
                            num_merge_workers=1,
                            keep_temp_folder=False,
                            strict=True,
-                           inject_missing_state=False))
+                           inject_missing_state=inject_missing_state))
 
 
 def forget_saved_files(tag_dir):

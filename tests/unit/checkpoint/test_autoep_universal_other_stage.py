@@ -19,24 +19,13 @@ import os
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-from unit.checkpoint.test_pipeline_moe_other_topology import (TAG, batch, convert_to_universal, make_engine)
+from unit.checkpoint.autotp_common import convert_to_universal_checkpoint
+from unit.checkpoint.test_pipeline_moe_other_topology import TAG, batch, make_engine
+from unit.checkpoint.test_pipeline_tied_universal import param_states
 from unit.common import DistributedTest
-
-
-def param_states(engine):
-    """Each parameter's weights (this rank's experts'), fp32 weights and Adam moments."""
-    states = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            weights = param.detach().clone()
-        states[name] = [weights, safe_get_full_fp32_param(param)]
-        states[name] += [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
-    return states
 
 
 def step(engine, seed):
@@ -59,7 +48,9 @@ class TestAutoEPUniversalOtherStage(DistributedTest):
         saved = param_states(engine)
         next_loss = step(engine, seed=1)
         if dist.get_rank() == 0:
-            convert_to_universal(os.path.join(save_dir, TAG), os.path.join(save_dir, "universal"))
+            convert_to_universal_checkpoint(os.path.join(save_dir, TAG),
+                                            os.path.join(save_dir, "universal"),
+                                            inject_missing_state=True)
         dist.barrier()
 
         # Straight from the rank files it is refused on every rank, naming both stages, before anything changes.

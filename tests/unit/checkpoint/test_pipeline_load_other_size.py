@@ -22,44 +22,20 @@ size), and on deepspeed 0.19.8 it failed after the module's weights had been ove
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from unit.checkpoint.test_pipeline_tied_universal import (HIDDEN, TAG, first_stage_states, param_states,
+                                                          tied_pipeline_engine)
 from unit.common import DistributedTest
 
-HIDDEN = 16
-TAG = "step2"
 MICRO_BATCHES = 2
 
 
 def pipeline_engine(num_stages):
-    """The tied model on two ranks at pipeline-parallel size ``num_stages``, with a global batch of
+    """The tied model at pipeline-parallel size ``num_stages``, with a global batch of
     ``MICRO_BATCHES`` micro-batches whatever the data-parallel size."""
-    torch.manual_seed(0)
-    layers = [TiedLayerSpec("embed", torch.nn.Linear, HIDDEN, HIDDEN)]
-    layers += [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(4)]
-    layers += [TiedLayerSpec("embed", torch.nn.Linear, HIDDEN, HIDDEN, forward_fn=lambda embed, x: x @ embed.weight)]
-    model = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=torch.nn.MSELoss())
     data_parallel_size = dist.get_world_size() // num_stages
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": MICRO_BATCHES // data_parallel_size,
-        "steps_per_print": 1000,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": 1
-        },
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    return tied_pipeline_engine(num_stages, gradient_accumulation_steps=MICRO_BATCHES // data_parallel_size)
 
 
 def train_step(engine, step):
@@ -73,29 +49,6 @@ def train_step(engine, step):
     data_parallel_rank = engine.grid.get_data_parallel_rank()
     data_parallel_size = engine.grid.get_data_parallel_world_size()
     return engine.train_batch(iter(micro_batches[data_parallel_rank::data_parallel_size])).item()
-
-
-def param_states(engine):
-    return {
-        name: [
-            param.detach().clone(),
-            safe_get_full_fp32_param(param),
-            safe_get_full_optimizer_state(param, "exp_avg"),
-            safe_get_full_optimizer_state(param, "exp_avg_sq")
-        ]
-        for name, param in engine.module.named_parameters()
-    }
-
-
-def first_stage_states(engine):
-    """Each parameter's states on the first rank that holds it."""
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, param_states(engine))
-    states = {}
-    for rank_states in found:
-        for name, tensors in rank_states.items():
-            states.setdefault(name, tensors)
-    return states
 
 
 class TestPipelineLoadOtherSize(DistributedTest):

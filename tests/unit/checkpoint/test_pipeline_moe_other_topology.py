@@ -25,7 +25,6 @@ for another reason (ZeRO's parameter-alignment layout or data-parallel size, or 
 parameter group of torch's optimizer).
 """
 
-import argparse
 import os
 import re
 
@@ -40,6 +39,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.utils import groups
 
+from unit.checkpoint.autotp_common import convert_to_universal_checkpoint
 from unit.common import DistributedTest
 
 HIDDEN = 16
@@ -158,19 +158,6 @@ def train_step(engine, seed):
         engine.step()
 
 
-def convert_to_universal(input_folder, output_folder):
-    """``ds_to_universal --inject_missing_state``, in this process."""
-    from deepspeed.checkpoint.ds_to_universal import main
-    main(
-        argparse.Namespace(input_folder=input_folder,
-                           output_folder=output_folder,
-                           num_extract_workers=1,
-                           num_merge_workers=1,
-                           keep_temp_folder=False,
-                           strict=True,
-                           inject_missing_state=True))
-
-
 def weights_by_global_name(engine):
     """The module's weights on this rank, each expert named by its global id."""
     weights = {}
@@ -277,7 +264,9 @@ class TestLoadAtOtherPipelineOrExpertSize(DistributedTest):
         engine.save_checkpoint(save_dir, tag=TAG)
         saved_weights = all_weights(engine)
         if dist.get_rank() == 0:
-            convert_to_universal(os.path.join(save_dir, TAG), os.path.join(save_dir, "universal"))
+            convert_to_universal_checkpoint(os.path.join(save_dir, TAG),
+                                            os.path.join(save_dir, "universal"),
+                                            inject_missing_state=True)
         dist.barrier()
 
         fresh = make_engine("moe", size, 2, load_universal=True)

@@ -36,7 +36,9 @@ HIDDEN = 16
 TAG = "step2"
 
 
-def tied_pipeline_engine(num_stages, load_universal=False):
+def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation_steps=1):
+    """Six linear layers at pipeline-parallel size ``num_stages``, the first tied to the last, whose
+    bias only the first stage uses."""
     torch.manual_seed(0)
     layers = [TiedLayerSpec("embed", torch.nn.Linear, HIDDEN, HIDDEN)]
     layers += [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(4)]
@@ -44,7 +46,7 @@ def tied_pipeline_engine(num_stages, load_universal=False):
     model = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=torch.nn.MSELoss())
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
         "steps_per_print": 1000,
         "optimizer": {
             "type": "Adam",
@@ -71,15 +73,13 @@ def batch(step):
 
 def param_states(engine):
     """Each parameter's weights, fp32 weights and Adam moments on this rank."""
-    return {
-        name: [
-            param.detach().clone(),
-            safe_get_full_fp32_param(param),
-            safe_get_full_optimizer_state(param, "exp_avg"),
-            safe_get_full_optimizer_state(param, "exp_avg_sq")
-        ]
-        for name, param in engine.module.named_parameters()
-    }
+    states = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights = param.detach().clone()
+        states[name] = [weights, safe_get_full_fp32_param(param)]
+        states[name] += [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+    return states
 
 
 def first_stage_states(engine):

@@ -2,44 +2,114 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""``ds_to_universal`` of a checkpoint of ``deepspeed.moe`` layers saved at expert-parallel size 2
-is refused with an error that names the expert-parallel size and the ways on, and one saved at
-expert-parallel size 1 converts.
+"""A checkpoint of ``deepspeed.moe`` layers converts with ``ds_to_universal`` at any expert-parallel
+size, and its universal checkpoint loads exactly at any expert-parallel size: four experts, ZeRO-2,
+saved on two ranks at expert-parallel size 2 or 1 and loaded at 1 or 2, or on one rank. Right after
+the load every parameter's weights, fp32 weights and Adam moments are those saved for the same
+expert, and the next losses are those of the run that went on uninterrupted.
 
-Each expert-parallel rank names the parameters of its experts by their index on that rank: at size
-2, the two ranks' first experts (global ids 0 and 2) share a name in the optimizer states. On
-deepspeed 0.19.8 the conversion failed with "shape '[16]' is invalid for input of size 32".
+Each expert-parallel rank names the parameters of its experts by their index on that rank; the
+universal checkpoint names them by their global id, as the expert files do. Before, the conversion
+of a checkpoint saved at size 2 failed with "shape '[16]' is invalid for input of size 32", where
+the two ranks' first experts (global ids 0 and 2) shared a name, and a universal checkpoint loaded at
+size 2 gave rank 1 the states of experts 0 and 1 in place of 2 and 3.
 """
 
 import os
+import re
 
 import pytest
+import torch
 
 import deepspeed.comm as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups
 
 from unit.checkpoint.autotp_common import convert_to_universal_checkpoint
-from unit.checkpoint.test_pipeline_moe_other_topology import TAG, make_engine, train_step
+from unit.checkpoint.test_pipeline_moe_other_topology import TAG, batch, make_engine
+from unit.checkpoint.test_pipeline_tied_universal import param_states
 from unit.common import DistributedTest
 
 
-class TestMoEUniversalConversion(DistributedTest):
+@pytest.fixture(scope="module")
+def save_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("moe_universal"))
+
+
+def step(engine, seed):
+    loss = engine(*batch(seed))
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
+
+
+def states_by_global_name(engine):
+    """Each parameter's weights, fp32 weights and Adam moments, on any rank, each expert's by its
+    global id."""
+    first_expert = {
+        name: groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
+        for name, module in engine.module.named_modules() if isinstance(module, MoE)
+    }
+    states = {}
+    for name, tensors in param_states(engine).items():
+        match = re.match(r"(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)", name)
+        if match:
+            module_name, local_id, param_name = match.groups()
+            name = (f"{module_name}.deepspeed_moe.experts.deepspeed_experts."
+                    f"{first_expert[module_name] + int(local_id)}.{param_name}")
+        states[name] = tensors
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, states)
+    return {name: tensors for rank_states in found for name, tensors in rank_states.items()}
+
+
+def save_and_convert(save_dir, saved_size):
+    """Save at expert-parallel size ``saved_size``, convert with ds_to_universal; the saved states and the
+    next two losses of the run that goes on."""
+    engine = make_engine("moe", saved_size, 2)
+    step(engine, seed=0)
+    engine.save_checkpoint(save_dir, tag=TAG)
+    saved = states_by_global_name(engine)
+    next_losses = [step(engine, seed) for seed in (1, 2)]
+    if dist.get_rank() == 0:
+        convert_to_universal_checkpoint(os.path.join(save_dir, TAG),
+                                        os.path.join(save_dir, "universal"),
+                                        inject_missing_state=True)
+    dist.barrier()
+    return saved, next_losses
+
+
+def load_and_compare(save_dir, size, saved, next_losses):
+    """Load the universal checkpoint at expert-parallel size ``size``: the states must be ``saved``, the
+    next losses ``next_losses``."""
+    loaded = make_engine("moe", size, 2, load_universal=True)
+    loaded.load_checkpoint(save_dir, tag="universal")
+    states = states_by_global_name(loaded)
+    assert sorted(states) == sorted(saved)
+    for name, tensors in states.items():
+        for kind, tensor, saved_tensor in zip(("weight", "fp32", "exp_avg", "exp_avg_sq"), tensors, saved[name]):
+            assert torch.equal(tensor, saved_tensor), f"{name} {kind}"
+    losses = [step(loaded, seed) for seed in (1, 2)][:len(next_losses)]
+    assert torch.allclose(torch.stack(losses), torch.stack(next_losses), rtol=1e-5, atol=0)
+
+
+class TestMoEUniversalOtherExpertParallelSize(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
-    @pytest.mark.parametrize("ep_size", [1, 2])
-    def test_converts_expert_parallel_size_1_only(self, ep_size, tmpdir):
-        save_dir = str(tmpdir)
-        engine = make_engine("moe", ep_size, 2)
-        train_step(engine, seed=0)
-        engine.save_checkpoint(save_dir, tag=TAG)
+    @pytest.mark.parametrize("saved_size, size", [(2, 1), (1, 2)])
+    def test_loads_exactly(self, saved_size, size, tmpdir):
+        saved, next_losses = save_and_convert(str(tmpdir), saved_size)
+        load_and_compare(str(tmpdir), size, saved, next_losses)
+
+    def test_save_on_2_ranks(self, save_dir):
+        saved, next_losses = save_and_convert(save_dir, 2)
         if dist.get_rank() == 0:
-            folders = os.path.join(save_dir, TAG), os.path.join(save_dir, "universal")
-            if ep_size == 1:
-                convert_to_universal_checkpoint(*folders, inject_missing_state=True)
-                assert os.path.isdir(os.path.join(save_dir, "universal", "zero"))
-            else:
-                with pytest.raises(ValueError,
-                                   match="deepspeed.moe layers were saved at expert-parallel size 2, .* Load it with "
-                                   "load_checkpoint at expert-parallel size 2"):
-                    convert_to_universal_checkpoint(*folders, inject_missing_state=True)
+            torch.save((saved, next_losses), os.path.join(save_dir, "expected.pt"))
         dist.barrier()
+
+    @pytest.mark.world_size(1)
+    def test_load_on_1_rank(self, save_dir):
+        saved, next_losses = torch.load(os.path.join(save_dir, "expected.pt"))
+        # Its first batch is the one rank 0 of the saving run took next.
+        load_and_compare(save_dir, 1, saved, next_losses[:1])

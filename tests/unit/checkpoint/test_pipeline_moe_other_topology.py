@@ -14,18 +14,12 @@ replacement of a Mixtral MoE block at expert-parallel size 2 -> 1 and 1 -> 2 (Ze
 ZeRO-3 experts, whose weights are read from the optimizer states, are refused without the
 optimizer states too (2 -> 1).
 
-A universal checkpoint names the experts of legacy MoE by their index on the rank that saved them,
-their global id at expert-parallel size 1 only: converted from a checkpoint saved at size 1, it
-loads exactly at size 1, and is refused at size 2, where rank 1 was given the states of experts 0
-and 1 in place of 2 and 3.
-
 On deepspeed 0.19.8 AutoEP's load returns with every expert's fp32 weights and Adam moments taken
 from another expert's, and the other loads raise once the module's weights have been overwritten,
 for another reason (ZeRO's parameter-alignment layout or data-parallel size, or the size of a
 parameter group of torch's optimizer).
 """
 
-import os
 import re
 
 import pytest
@@ -39,7 +33,6 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.utils import groups
 
-from unit.checkpoint.autotp_common import convert_to_universal_checkpoint
 from unit.common import DistributedTest
 
 HIDDEN = 16
@@ -253,34 +246,5 @@ class TestLoadAtOtherPipelineOrExpertSize(DistributedTest):
                 match="saved at expert-parallel size 2, at expert-parallel size 1:.*"
                 "Nothing was loaded; load it at expert-parallel size 2, or convert it with ds_to_universal"):
             fresh.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
-        after = training_state(fresh)
-        assert all(torch.equal(a, b) for a, b in zip(after, before))
-
-    @pytest.mark.parametrize("size", [1, 2])
-    def test_moe_universal_only_at_expert_parallel_size_1(self, size, tmpdir):
-        save_dir = str(tmpdir)
-        engine = make_engine("moe", 1, 2)
-        train_step(engine, seed=0)
-        engine.save_checkpoint(save_dir, tag=TAG)
-        saved_weights = all_weights(engine)
-        if dist.get_rank() == 0:
-            convert_to_universal_checkpoint(os.path.join(save_dir, TAG),
-                                            os.path.join(save_dir, "universal"),
-                                            inject_missing_state=True)
-        dist.barrier()
-
-        fresh = make_engine("moe", size, 2, load_universal=True)
-        train_step(fresh, seed=1)
-        if size == 1:
-            fresh.load_checkpoint(save_dir, tag="universal")
-            for name, tensor in weights_by_global_name(fresh).items():
-                assert torch.equal(tensor, saved_weights[name]), name
-            return
-        before = training_state(fresh)
-        with pytest.raises(
-                RuntimeError,
-                match="universal checkpoint .* at expert-parallel size 2: .* Nothing was loaded; load it at "
-                "expert-parallel size 1"):
-            fresh.load_checkpoint(save_dir, tag="universal")
         after = training_state(fresh)
         assert all(torch.equal(a, b) for a, b in zip(after, before))

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups
 
@@ -45,22 +46,37 @@ def step(engine, seed):
 
 def states_by_global_name(engine):
     """Each parameter's weights, fp32 weights and Adam moments, on any rank, each expert's by its
-    global id."""
-    first_expert = {
-        name: groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
-        for name, module in engine.module.named_modules() if isinstance(module, MoE)
-    }
+    global id: those of AutoEP's experts, which lie one after the other in one tensor, expert by
+    expert."""
+    first_expert = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, MoE):
+            first_expert[name] = groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
+        elif isinstance(module, AutoEPMoELayer):
+            first_expert[name] = module.ep_rank * module.num_local_experts
     states = {}
     for name, tensors in param_states(engine).items():
         match = re.match(r"(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)", name)
+        autoep_module = name.rpartition(".experts.")[0]
         if match:
             module_name, local_id, param_name = match.groups()
             name = (f"{module_name}.deepspeed_moe.experts.deepspeed_experts."
                     f"{first_expert[module_name] + int(local_id)}.{param_name}")
+        elif autoep_module in first_expert:
+            for local_id in range(tensors[0].shape[0]):
+                states[f"{name}.{first_expert[autoep_module] + local_id}"] = [tensor[local_id] for tensor in tensors]
+            continue
         states[name] = tensors
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, states)
     return {name: tensors for rank_states in found for name, tensors in rank_states.items()}
+
+
+def assert_states_equal(states, saved):
+    assert sorted(states) == sorted(saved)
+    for name, tensors in states.items():
+        for kind, tensor, saved_tensor in zip(("weight", "fp32", "exp_avg", "exp_avg_sq"), tensors, saved[name]):
+            assert torch.equal(tensor, saved_tensor), f"{name} {kind}"
 
 
 def save_and_convert(save_dir, saved_size):
@@ -84,11 +100,7 @@ def load_and_compare(save_dir, size, saved, next_losses):
     next losses ``next_losses``."""
     loaded = make_engine("moe", size, 2, load_universal=True)
     loaded.load_checkpoint(save_dir, tag="universal")
-    states = states_by_global_name(loaded)
-    assert sorted(states) == sorted(saved)
-    for name, tensors in states.items():
-        for kind, tensor, saved_tensor in zip(("weight", "fp32", "exp_avg", "exp_avg_sq"), tensors, saved[name]):
-            assert torch.equal(tensor, saved_tensor), f"{name} {kind}"
+    assert_states_equal(states_by_global_name(loaded), saved)
     losses = [step(loaded, seed) for seed in (1, 2)][:len(next_losses)]
     assert torch.allclose(torch.stack(losses), torch.stack(next_losses), rtol=1e-5, atol=0)
 

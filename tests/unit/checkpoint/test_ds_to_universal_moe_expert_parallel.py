@@ -38,7 +38,8 @@ def save_dir(tmp_path_factory):
 
 
 def step(engine, seed):
-    loss = engine(*batch(seed))
+    dtype = next(engine.module.parameters()).dtype
+    loss = engine(*(tensor.to(dtype) for tensor in batch(seed)))
     engine.backward(loss)
     engine.step()
     return loss.detach()

@@ -31,18 +31,18 @@ def save_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("moe_other_ep_size"))
 
 
-def save(save_dir, kind, saved_size):
+def save(save_dir, kind, saved_size, bf16=False):
     """Save at expert-parallel size ``saved_size``: the saved states and the next two losses of the run
     that goes on."""
-    engine = make_engine(kind, saved_size, 2)
+    engine = make_engine(kind, saved_size, 2, bf16=bf16)
     step(engine, seed=0)
     engine.save_checkpoint(save_dir, tag=TAG)
     saved = states_by_global_name(engine)
     return saved, [step(engine, seed) for seed in (1, 2)]
 
 
-def load_and_compare(save_dir, kind, size, saved, next_losses):
-    loaded = make_engine(kind, size, 2)
+def load_and_compare(save_dir, kind, size, saved, next_losses, bf16=False):
+    loaded = make_engine(kind, size, 2, bf16=bf16)
     loaded.load_checkpoint(save_dir, tag=TAG)
     assert_states_equal(states_by_global_name(loaded), saved)
     losses = [step(loaded, seed) for seed in (1, 2)][:len(next_losses)]
@@ -54,10 +54,10 @@ class TestMoELoadOtherExpertParallelSize(DistributedTest):
     reuse_dist_env = True
 
     @pytest.mark.parametrize("kind", ["moe", "autoep"])
-    @pytest.mark.parametrize("saved_size, size", [(2, 1), (1, 2)])
-    def test_loads_exactly(self, kind, saved_size, size, tmpdir):
-        saved, next_losses = save(str(tmpdir), kind, saved_size)
-        load_and_compare(str(tmpdir), kind, size, saved, next_losses)
+    @pytest.mark.parametrize("saved_size, size, bf16", [(2, 1, False), (1, 2, False), (2, 1, True)])
+    def test_loads_exactly(self, kind, saved_size, size, bf16, tmpdir):
+        saved, next_losses = save(str(tmpdir), kind, saved_size, bf16)
+        load_and_compare(str(tmpdir), kind, size, saved, next_losses, bf16)
 
     def test_save_on_2_ranks(self, save_dir):
         saved, next_losses = save(save_dir, "moe", 2)

@@ -39,30 +39,30 @@ def save_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("pipeline_four_ranks"))
 
 
-def pipeline_engine(num_stages):
+def pipeline_engine(num_stages, bf16=False):
     """The tied model at pipeline-parallel size ``num_stages``, with a global batch of
     ``MICRO_BATCHES`` micro-batches whatever the data-parallel size."""
     data_parallel_size = dist.get_world_size() // num_stages
-    return tied_pipeline_engine(num_stages, gradient_accumulation_steps=MICRO_BATCHES // data_parallel_size)
+    return tied_pipeline_engine(num_stages, gradient_accumulation_steps=MICRO_BATCHES // data_parallel_size, bf16=bf16)
 
 
 def train_step(engine, step):
     """One step on the global batch of ``step``: each data-parallel rank takes its share of the
     micro-batches."""
     micro_batches = []
+    dtype = next(engine.module.parameters()).dtype
     for index in range(MICRO_BATCHES):
         generator = torch.Generator().manual_seed(step * MICRO_BATCHES + index)
-        micro_batches.append((torch.randn(2, HIDDEN, generator=generator), torch.randn(2, HIDDEN,
-                                                                                       generator=generator)))
+        micro_batches.append(tuple(torch.randn(2, HIDDEN, generator=generator).to(dtype) for _ in range(2)))
     data_parallel_rank = engine.grid.get_data_parallel_rank()
     data_parallel_size = engine.grid.get_data_parallel_world_size()
     return engine.train_batch(iter(micro_batches[data_parallel_rank::data_parallel_size])).item()
 
 
-def save(save_dir, num_stages):
+def save(save_dir, num_stages, bf16=False):
     """Save after two steps at pipeline-parallel size ``num_stages``: the saved states and the next two
     losses of the run that goes on."""
-    engine = pipeline_engine(num_stages)
+    engine = pipeline_engine(num_stages, bf16)
     for step in range(2):
         train_step(engine, step)
     engine.save_checkpoint(save_dir, tag=TAG)
@@ -71,11 +71,11 @@ def save(save_dir, num_stages):
     return dict(found), [train_step(engine, step) for step in (2, 3)]
 
 
-def load_and_compare(save_dir, num_stages, saved_by_stage, next_losses):
+def load_and_compare(save_dir, num_stages, saved_by_stage, next_losses, bf16=False):
     """Load at pipeline-parallel size ``num_stages``: each parameter's states must be those its stage
     saved, at another pipeline-parallel size those of the first stage that saved it: the last stage's
     copy of the tied bias, which that stage does not use, does not train."""
-    loaded = pipeline_engine(num_stages)
+    loaded = pipeline_engine(num_stages, bf16)
     loaded.load_checkpoint(save_dir, tag=TAG)
     saved = saved_by_stage[loaded.stage_id] if len(saved_by_stage) == num_stages else {}
     for stage in sorted(saved_by_stage):
@@ -93,10 +93,10 @@ class TestPipelineLoadOtherSize(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
-    @pytest.mark.parametrize("saved_stages, stages", [(2, 1), (1, 2)])
-    def test_resumes(self, saved_stages, stages, tmpdir):
-        saved, next_losses = save(str(tmpdir), saved_stages)
-        load_and_compare(str(tmpdir), stages, saved, next_losses)
+    @pytest.mark.parametrize("saved_stages, stages, bf16", [(2, 1, False), (1, 2, False), (2, 1, True)])
+    def test_resumes(self, saved_stages, stages, bf16, tmpdir):
+        saved, next_losses = save(str(tmpdir), saved_stages, bf16)
+        load_and_compare(str(tmpdir), stages, saved, next_losses, bf16)
 
     @pytest.mark.world_size(4)
     def test_save_on_4_ranks(self, save_dir):

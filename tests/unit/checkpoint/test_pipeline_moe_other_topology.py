@@ -111,11 +111,12 @@ class MixtralLike(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.lm_head(hidden), y)
 
 
-def make_engine(kind, size, stage, load_universal=False):
+def make_engine(kind, size, stage, load_universal=False, bf16=False):
     """An engine of ``kind`` at pipeline-parallel (pipeline) or expert-parallel (moe, autoep) ``size``."""
     torch.manual_seed(0)
     ds_config = config(stage)
     ds_config["checkpoint"] = {"load_universal": load_universal}
+    ds_config["bf16"] = {"enabled": bf16}
     if kind == "pipeline":
         model = PipelineModule(layers=[LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(4)],
                                num_stages=size,

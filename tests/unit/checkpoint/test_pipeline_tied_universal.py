@@ -36,7 +36,7 @@ HIDDEN = 16
 TAG = "step2"
 
 
-def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation_steps=1):
+def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation_steps=1, bf16=False):
     """Six linear layers at pipeline-parallel size ``num_stages``, the first tied to the last, whose
     bias only the first stage uses."""
     torch.manual_seed(0)
@@ -57,6 +57,9 @@ def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation
         },
         "zero_optimization": {
             "stage": 1
+        },
+        "bf16": {
+            "enabled": bf16
         },
         "checkpoint": {
             "load_universal": load_universal

@@ -4,9 +4,10 @@
 # DeepSpeed Team
 """A checkpoint of ``deepspeed.moe`` layers converts with ``ds_to_universal`` at any expert-parallel
 size, and its universal checkpoint loads exactly at any expert-parallel size: four experts, ZeRO-2,
-saved on two ranks at expert-parallel size 2 or 1 and loaded at 1 or 2, or on one rank. Right after
-the load every parameter's weights, fp32 weights and Adam moments are those saved for the same
-expert, and the next losses are those of the run that went on uninterrupted.
+saved on two ranks at expert-parallel size 2 or 1 and loaded at 1 or 2, or on one rank, and saved
+on four ranks at size 2 and loaded at 4. Right after the load every parameter's weights, fp32
+weights and Adam moments are those saved for the same expert, and the next losses are those of the
+run that went on uninterrupted.
 
 Each expert-parallel rank names the parameters of its experts by their index on that rank; the
 universal checkpoint names them by their global id, as the expert files do. Before, the conversion
@@ -114,6 +115,12 @@ class TestMoEUniversalOtherExpertParallelSize(DistributedTest):
     def test_loads_exactly(self, saved_size, size, tmpdir):
         saved, next_losses = save_and_convert(str(tmpdir), saved_size)
         load_and_compare(str(tmpdir), size, saved, next_losses)
+
+    @pytest.mark.world_size(4)
+    def test_loads_exactly_on_4_ranks(self, tmpdir):
+        # Each expert-parallel rank's experts are partitioned over two ranks at the saving size.
+        saved, next_losses = save_and_convert(str(tmpdir), 2)
+        load_and_compare(str(tmpdir), 4, saved, next_losses)
 
     def test_save_on_2_ranks(self, save_dir):
         saved, next_losses = save_and_convert(save_dir, 2)

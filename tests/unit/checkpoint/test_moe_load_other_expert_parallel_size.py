@@ -5,9 +5,11 @@
 """``load_checkpoint()`` of a ZeRO-2 checkpoint of MoE layers at another expert-parallel size, or on
 another number of ranks, loads straight from the rank files: four experts of ``deepspeed.moe`` and
 of AutoEP's replacement of a Mixtral MoE block, saved on two ranks at expert-parallel size 2 and
-loaded at 1, saved at 1 and loaded at 2, and saved at 2 and loaded on one rank. Right after the load
-every parameter's weights, fp32 weights and Adam moments are those saved for the same expert, and
-the next losses are those of the run that went on uninterrupted.
+loaded at 1 (also in bf16), saved at 1 and loaded at 2, and saved at 2 and loaded on one rank; on
+four ranks, saved at expert-parallel size 2 (each expert partitioned over two ranks) and loaded at
+4 and at 1. Right after the load every parameter's weights, fp32 weights and Adam moments are
+those saved for the same expert, and the next losses are those of the run that went on
+uninterrupted.
 
 Each rank reads each of its experts' states from the files of the expert-parallel rank that saved
 it, under the name that rank gave it. Before, such a load was refused (on deepspeed 0.19.8, AutoEP's
@@ -58,6 +60,14 @@ class TestMoELoadOtherExpertParallelSize(DistributedTest):
     def test_loads_exactly(self, kind, saved_size, size, bf16, tmpdir):
         saved, next_losses = save(str(tmpdir), kind, saved_size, bf16)
         load_and_compare(str(tmpdir), kind, size, saved, next_losses, bf16)
+
+    @pytest.mark.world_size(4)
+    @pytest.mark.parametrize("kind", ["moe", "autoep"])
+    @pytest.mark.parametrize("saved_size, size", [(2, 4), (2, 1)])
+    def test_loads_exactly_on_4_ranks(self, kind, saved_size, size, tmpdir):
+        # At expert-parallel size 2 each expert-parallel rank's experts are partitioned over two ranks.
+        saved, next_losses = save(str(tmpdir), kind, saved_size)
+        load_and_compare(str(tmpdir), kind, size, saved, next_losses)
 
     def test_save_on_2_ranks(self, save_dir):
         saved, next_losses = save(save_dir, "moe", 2)

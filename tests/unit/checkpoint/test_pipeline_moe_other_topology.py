@@ -65,12 +65,15 @@ class MoEModel(torch.nn.Module):
     def __init__(self, ep_size):
         super().__init__()
         self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+        # Tokens over an expert's capacity are dropped in their order, not at random: runs at two
+        # expert-parallel sizes, whose random number streams differ, then take the same steps.
         self.moe = MoE(hidden_size=HIDDEN,
                        expert=torch.nn.Linear(HIDDEN, HIDDEN),
                        num_experts=NUM_EXPERTS,
                        ep_size=ep_size,
                        k=1,
-                       min_capacity=0)
+                       min_capacity=0,
+                       use_rts=False)
 
     def forward(self, x, y):
         hidden, _, _ = self.moe(self.linear(x))

@@ -81,14 +81,19 @@ def assert_states_equal(states, saved):
             assert torch.equal(tensor, saved_tensor), f"{name} {kind}"
 
 
-def save_and_convert(save_dir, saved_size):
-    """Save at expert-parallel size ``saved_size``, convert with ds_to_universal; the saved states and the
-    next two losses of the run that goes on."""
-    engine = make_engine("moe", saved_size, 2)
+def save(save_dir, kind, saved_size, bf16=False):
+    """Save ``kind`` at expert-parallel size ``saved_size``: the saved states and the next two losses of
+    the run that goes on."""
+    engine = make_engine(kind, saved_size, 2, bf16=bf16)
     step(engine, seed=0)
     engine.save_checkpoint(save_dir, tag=TAG)
     saved = states_by_global_name(engine)
-    next_losses = [step(engine, seed) for seed in (1, 2)]
+    return saved, [step(engine, seed) for seed in (1, 2)]
+
+
+def save_and_convert(save_dir, saved_size):
+    """Save deepspeed.moe at expert-parallel size ``saved_size`` and convert it with ds_to_universal."""
+    saved, next_losses = save(save_dir, "moe", saved_size)
     if dist.get_rank() == 0:
         convert_to_universal_checkpoint(os.path.join(save_dir, TAG),
                                         os.path.join(save_dir, "universal"),
@@ -97,11 +102,11 @@ def save_and_convert(save_dir, saved_size):
     return saved, next_losses
 
 
-def load_and_compare(save_dir, size, saved, next_losses):
-    """Load the universal checkpoint at expert-parallel size ``size``: the states must be ``saved``, the
-    next losses ``next_losses``."""
-    loaded = make_engine("moe", size, 2, load_universal=True)
-    loaded.load_checkpoint(save_dir, tag="universal")
+def load_and_compare(save_dir, tag, kind, size, saved, next_losses, bf16=False):
+    """Load ``tag`` (the universal checkpoint: "universal") into ``kind`` at expert-parallel size
+    ``size``: the states must be ``saved``, the next losses ``next_losses``."""
+    loaded = make_engine(kind, size, 2, load_universal=tag == "universal", bf16=bf16)
+    loaded.load_checkpoint(save_dir, tag=tag)
     assert_states_equal(states_by_global_name(loaded), saved)
     losses = [step(loaded, seed) for seed in (1, 2)][:len(next_losses)]
     assert torch.allclose(torch.stack(losses), torch.stack(next_losses), rtol=1e-5, atol=0)
@@ -114,13 +119,13 @@ class TestMoEUniversalOtherExpertParallelSize(DistributedTest):
     @pytest.mark.parametrize("saved_size, size", [(2, 1), (1, 2)])
     def test_loads_exactly(self, saved_size, size, tmpdir):
         saved, next_losses = save_and_convert(str(tmpdir), saved_size)
-        load_and_compare(str(tmpdir), size, saved, next_losses)
+        load_and_compare(str(tmpdir), "universal", "moe", size, saved, next_losses)
 
     @pytest.mark.world_size(4)
     def test_loads_exactly_on_4_ranks(self, tmpdir):
         # Each expert-parallel rank's experts are partitioned over two ranks at the saving size.
         saved, next_losses = save_and_convert(str(tmpdir), 2)
-        load_and_compare(str(tmpdir), 4, saved, next_losses)
+        load_and_compare(str(tmpdir), "universal", "moe", 4, saved, next_losses)
 
     def test_save_on_2_ranks(self, save_dir):
         saved, next_losses = save_and_convert(save_dir, 2)
@@ -132,4 +137,4 @@ class TestMoEUniversalOtherExpertParallelSize(DistributedTest):
     def test_load_on_1_rank(self, save_dir):
         saved, next_losses = torch.load(os.path.join(save_dir, "expected.pt"))
         # Its first batch is the one rank 0 of the saving run took next.
-        load_and_compare(save_dir, 1, saved, next_losses[:1])
+        load_and_compare(save_dir, "universal", "moe", 1, saved, next_losses[:1])

@@ -23,32 +23,14 @@ import torch
 
 import deepspeed.comm as dist
 
-from unit.checkpoint.test_ds_to_universal_moe_expert_parallel import (assert_states_equal, states_by_global_name, step)
-from unit.checkpoint.test_pipeline_moe_other_topology import TAG, make_engine
+from unit.checkpoint.test_ds_to_universal_moe_expert_parallel import load_and_compare, save
+from unit.checkpoint.test_pipeline_moe_other_topology import TAG
 from unit.common import DistributedTest
 
 
 @pytest.fixture(scope="module")
 def save_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("moe_other_ep_size"))
-
-
-def save(save_dir, kind, saved_size, bf16=False):
-    """Save at expert-parallel size ``saved_size``: the saved states and the next two losses of the run
-    that goes on."""
-    engine = make_engine(kind, saved_size, 2, bf16=bf16)
-    step(engine, seed=0)
-    engine.save_checkpoint(save_dir, tag=TAG)
-    saved = states_by_global_name(engine)
-    return saved, [step(engine, seed) for seed in (1, 2)]
-
-
-def load_and_compare(save_dir, kind, size, saved, next_losses, bf16=False):
-    loaded = make_engine(kind, size, 2, bf16=bf16)
-    loaded.load_checkpoint(save_dir, tag=TAG)
-    assert_states_equal(states_by_global_name(loaded), saved)
-    losses = [step(loaded, seed) for seed in (1, 2)][:len(next_losses)]
-    assert torch.allclose(torch.stack(losses), torch.stack(next_losses), rtol=1e-5, atol=0)
 
 
 class TestMoELoadOtherExpertParallelSize(DistributedTest):
@@ -59,7 +41,7 @@ class TestMoELoadOtherExpertParallelSize(DistributedTest):
     @pytest.mark.parametrize("saved_size, size, bf16", [(2, 1, False), (1, 2, False), (2, 1, True)])
     def test_loads_exactly(self, kind, saved_size, size, bf16, tmpdir):
         saved, next_losses = save(str(tmpdir), kind, saved_size, bf16)
-        load_and_compare(str(tmpdir), kind, size, saved, next_losses, bf16)
+        load_and_compare(str(tmpdir), TAG, kind, size, saved, next_losses, bf16)
 
     @pytest.mark.world_size(4)
     @pytest.mark.parametrize("kind", ["moe", "autoep"])
@@ -67,7 +49,7 @@ class TestMoELoadOtherExpertParallelSize(DistributedTest):
     def test_loads_exactly_on_4_ranks(self, kind, saved_size, size, tmpdir):
         # At expert-parallel size 2 each expert-parallel rank's experts are partitioned over two ranks.
         saved, next_losses = save(str(tmpdir), kind, saved_size)
-        load_and_compare(str(tmpdir), kind, size, saved, next_losses)
+        load_and_compare(str(tmpdir), TAG, kind, size, saved, next_losses)
 
     def test_save_on_2_ranks(self, save_dir):
         saved, next_losses = save(save_dir, "moe", 2)
@@ -79,4 +61,4 @@ class TestMoELoadOtherExpertParallelSize(DistributedTest):
     def test_load_on_1_rank(self, save_dir):
         saved, next_losses = torch.load(os.path.join(save_dir, "expected.pt"))
         # Its first batch is the one rank 0 of the saving run took next.
-        load_and_compare(save_dir, "moe", 1, saved, next_losses[:1])
+        load_and_compare(save_dir, TAG, "moe", 1, saved, next_losses[:1])

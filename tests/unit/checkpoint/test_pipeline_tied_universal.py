@@ -36,12 +36,12 @@ HIDDEN = 16
 TAG = "step2"
 
 
-def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation_steps=1, bf16=False):
-    """Six linear layers at pipeline-parallel size ``num_stages``, the first tied to the last, whose
-    bias only the first stage uses."""
+def tied_pipeline_engine(num_stages, load_universal=False, gradient_accumulation_steps=1, bf16=False, hidden_layers=4):
+    """``hidden_layers`` + 2 linear layers at pipeline-parallel size ``num_stages``, the first tied to
+    the last, whose bias only the first stage uses."""
     torch.manual_seed(0)
     layers = [TiedLayerSpec("embed", torch.nn.Linear, HIDDEN, HIDDEN)]
-    layers += [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(4)]
+    layers += [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN) for _ in range(hidden_layers)]
     layers += [TiedLayerSpec("embed", torch.nn.Linear, HIDDEN, HIDDEN, forward_fn=lambda embed, x: x @ embed.weight)]
     model = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=torch.nn.MSELoss())
     config = {

@@ -2,7 +2,9 @@
 hold a path and an OmegaConf config (as Hydra gives them), saved by ``save_hyperparameters()``,
 trained to ``--max_epochs`` with a checkpoint after each epoch (``last.ckpt``, a DeepSpeed checkpoint
 folder), and resumed from one with ``--resume`` (or validated, ``--validate``). Run it under
-``torch.distributed.run``:
+``torch.distributed.run``. The checkpoints are this script's own, so it admits OmegaConf's classes to
+DeepSpeed's ``weights_only`` load (``omegaconf_safe_globals()``); without that the resume is refused:
+reading a config from a file you do not trust could run its resolvers.
 
     python -m torch.distributed.run --nproc_per_node 2 train.py --output_dir out --stage 2 --max_epochs 1
     python -m torch.distributed.run --nproc_per_node 1 train.py --output_dir out --stage 2 --max_epochs 2 \\
@@ -15,6 +17,7 @@ import pathlib
 
 import pytorch_lightning as pl
 import torch
+from deepspeed.checkpoint.utils import omegaconf_safe_globals
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DeepSpeedStrategy
@@ -83,6 +86,7 @@ def main():
                         action="store_true",
                         help="validate the checkpoint --resume names (an engine without an optimizer), not train")
     args = parser.parse_args()
+    torch.serialization.add_safe_globals(omegaconf_safe_globals())
 
     trainer = pl.Trainer(accelerator="cpu",
                          devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),

@@ -22,6 +22,14 @@ ends must exit with an error naming the tag and the cause. A 2-rank script that 
 group right after its last save, as accelerate's ``end_training()`` does, must exit 0 with `latest`
 naming that save. This file is also those jobs: ``python -m torch.distributed.run ...
 test_checkpoint_async_save.py save STAGE DIR`` (or ``exit DIR``, ``destroy DIR``).
+
+The machinery itself: the background commit talks through the job's own store, and a save opens no
+port of its own (before, rank 0 served a store of its own on a second port, on every interface). A
+commit that fails on rank 0 (a folder in the way of `latest`) is raised on every rank by the next
+``wait_for_async_save()``, at once, and the next save and load work (before, the other rank waited
+for the store's timeout, and later saves failed). A failure raised by the next optimizer step leaves
+the step complete. ``save_16bit_model()`` while a background save writes is not part of that save:
+the tag loads (before, it reset the save's record of its files, and the tag was refused).
 """
 
 import os
@@ -189,6 +197,119 @@ class TestCheckpointAsyncSaveJobs(DistributedTest):
     def test_megatron_mpu_zero1(self, tmpdir):
         names = assert_same_checkpoint_as_a_synchronous_save(str(tmpdir), 1, mpu=ModelParallelUnit())
         assert "mp_rank_01_model_states.pt" in names, names
+
+
+def listening_ports():
+    """The TCP ports that this process listens on, from ``/proc``."""
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fd:
+            for line in list(fd)[1:]:
+                fields = line.split()
+                # State 0A is LISTEN; field 9 is the socket's inode.
+                if fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class TestCheckpointAsyncSaveMachinery(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+    # A rank left waiting for another fails the test in minutes, not at the store's timeout.
+    exec_timeout = 180
+
+    def test_no_port_of_its_own(self, tmpdir):
+        engine = initialize(2, async_save=True)
+        listening = listening_ports()
+        engine.save_checkpoint(str(tmpdir), tag="step0")
+        engine.wait_for_async_save()
+        assert listening_ports() == listening
+        engine.destroy()
+
+    def test_failed_commit_is_raised_on_every_rank(self, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(2, async_save=True)
+        train_step(engine)
+        # Rank 0 commits the tag, and cannot replace `latest`: a folder holds its name.
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(save_dir, "latest"))
+        dist.barrier()
+        engine.save_checkpoint(save_dir, tag="step1")
+        with pytest.raises(RuntimeError, match=re.escape("rank 0: IsADirectoryError")):
+            engine.wait_for_async_save()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.rmdir(os.path.join(save_dir, "latest"))
+        dist.barrier()
+
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="step2")
+        expected = killed_save.full_weights(engine)
+        engine.wait_for_async_save()
+        with open(os.path.join(save_dir, "latest")) as fd:
+            assert fd.read() == "step2"
+        engine.destroy()
+        fresh = initialize(2, async_save=True)
+        fresh.load_checkpoint(save_dir)
+        for name, tensor in killed_save.full_weights(fresh).items():
+            assert torch.equal(tensor, expected[name]), name
+
+    def test_failure_raised_by_the_next_step_leaves_it_complete(self, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(2, async_save=True)
+        train_step(engine)
+        if dist.get_rank() == 1:
+            os.makedirs(os.path.join(save_dir, "step1", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        engine.save_checkpoint(save_dir, tag="step1")
+        micro_steps, global_steps = engine.micro_steps, engine.global_steps
+        with pytest.raises(RuntimeError, match=re.escape("rank 1: IsADirectoryError")):
+            train_step(engine)
+        assert (engine.micro_steps, engine.global_steps) == (micro_steps + 1, global_steps + 1)
+        train_step(engine)
+        assert (engine.micro_steps, engine.global_steps) == (micro_steps + 2, global_steps + 2)
+        engine.destroy()
+
+    @pytest.mark.world_size(1)
+    def test_save_16bit_model_during_a_background_save(self, tmpdir):
+        save_dir = str(tmpdir)
+        engine = initialize(1, async_save=True)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="checkpoint")
+        train_step(engine)
+        expected = killed_save.full_weights(engine)
+        # The writer writes the save's first file, then waits until save_16bit_model() has returned.
+        first_file_written, exported = threading.Event(), threading.Event()
+        real_save, training, writes = torch.save, threading.current_thread(), []
+
+        def save(*args, **kwargs):
+            if threading.current_thread() is not training:
+                writes.append(args[1])
+                if len(writes) == 2:
+                    first_file_written.set()
+                    exported.wait()
+            return real_save(*args, **kwargs)
+
+        torch.save = save
+        try:
+            engine.save_checkpoint(save_dir, tag="checkpoint")
+            first_file_written.wait()
+            engine.save_16bit_model(os.path.join(save_dir, "export"))
+        finally:
+            exported.set()
+            torch.save = real_save
+        engine.wait_for_async_save()
+        engine.destroy()
+
+        fresh = initialize(1, async_save=True)
+        fresh.load_checkpoint(save_dir, tag="checkpoint")
+        for name, tensor in killed_save.full_weights(fresh).items():
+            assert torch.equal(tensor, expected[name]), name
 
 
 def run_job(world_size, *args):

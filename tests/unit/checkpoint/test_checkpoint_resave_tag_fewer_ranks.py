@@ -12,9 +12,15 @@ again; a 2-rank job then loads it. The rank files of the first save that the sec
 
 Before, they stayed in the tag beside the second save's files: the 2-rank load took them for part
 of the checkpoint and was refused ("not the file that the tag's last save wrote").
+
+The names that a save removes come from the tag's record, ``checkpoint_manifest.json``: a record that
+names a file outside the tag (crafted, or copied with a downloaded checkpoint) is refused by the next
+save and load on every rank, and the file is left as it is. Before, the save removed it.
 """
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -59,3 +65,28 @@ class TestResaveTagFewerRanks(DistributedTest):
         for name, tensor in expected.items():
             assert torch.equal(actual[name], tensor), name
         dist.barrier()
+
+    @pytest.mark.parametrize("relative", [True, False])
+    def test_record_naming_a_file_outside_the_tag(self, tmpdir, relative):
+        save_dir = os.path.join(tmpdir, "checkpoints")
+        precious = os.path.join(tmpdir, "precious.txt")
+        name = os.path.join("..", "..", "precious.txt") if relative else precious
+        engine = initialize(1)
+        engine.save_checkpoint(save_dir, tag=TAG)
+        if dist.get_rank() == 0:
+            with open(precious, "w") as fd:
+                fd.write("the user's own file")
+            manifest = os.path.join(save_dir, TAG, "checkpoint_manifest.json")
+            with open(manifest) as fd:
+                record = json.load(fd)
+            record["files"][name] = None
+            with open(manifest, "w") as fd:
+                json.dump(record, fd)
+        dist.barrier()
+
+        with pytest.raises(ValueError, match=f"names {re.escape(repr(name))}, which is not a file name"):
+            engine.save_checkpoint(save_dir, tag=TAG)
+        with pytest.raises(ValueError, match=f"names {re.escape(repr(name))}, which is not a file name"):
+            engine.load_checkpoint(save_dir, tag=TAG)
+        with open(precious) as fd:
+            assert fd.read() == "the user's own file"

@@ -8,6 +8,11 @@ Left to the interpreter's teardown, gloo's worker threads can still hold the las
 when Python is gone, and now and then a process aborts after its job finished ("terminate called without
 an active exception", exit status 134). ``init_distributed`` destroys the process group it created
 at exit, before the teardown, and leaves a process group that the script created alone.
+
+A destroy alone does not stop the worker threads of the groups that Python objects still hold: a ZeRO-3
+engine, its optimizer and its parameters hold groups and the script holds the engine until the teardown.
+The exit handler drops DeepSpeed's references to them, so that every gloo worker thread is joined before
+the teardown.
 """
 
 import os
@@ -43,10 +48,43 @@ for _ in range(4):
 dist.barrier()
 """
 
+# A ZeRO-3 job that ends holding its engine, as scripts and the HF Trainer do. Linux names each thread
+# in /proc/self/task: torch's gloo worker threads are "pt_gloo_runloop", gloo's transport's "gloo_tcp_loop".
+ZERO3_JOB = """
+import atexit, os
+import torch
+import deepspeed
+import deepspeed.comm as dist
 
-def run_job(tmpdir, created_by):
+def gloo_threads():
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    return sum("gloo" in name for name in names)
+
+def at_exit():
+    print(f"rank {rank}: gloo threads at teardown: {gloo_threads()}")
+
+
+atexit.register(at_exit)
+deepspeed.init_distributed(dist_backend="gloo")
+rank = dist.get_rank()
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+config = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 3},
+    "zero_force_ds_cpu_optimizer": False,
+}
+engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+for _ in range(2):
+    engine.backward(engine(torch.randn(2, 16)).sum())
+    engine.step()
+print(f"rank {rank}: gloo threads at the end of the script: {gloo_threads()}")
+"""
+
+
+def run_job(tmpdir, created_by, job=JOB):
     script = tmpdir.join("job.py")
-    script.write(JOB)
+    script.write(job)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={get_master_port()}",
@@ -62,3 +100,12 @@ def test_process_group_destroyed_at_exit_by_its_creator(tmpdir, created_by, aliv
     assert proc.returncode == 0, proc.stdout
     for rank in range(2):
         assert f"rank {rank}: process group alive at teardown: {alive}" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the threads in /proc/self/task")
+def test_zero3_engine_gloo_threads_joined_at_exit(tmpdir):
+    proc = run_job(tmpdir, "deepspeed", job=ZERO3_JOB)
+    assert proc.returncode == 0, proc.stdout
+    for rank in range(2):
+        assert f"rank {rank}: gloo threads at the end of the script: 0" not in proc.stdout, proc.stdout
+        assert f"rank {rank}: gloo threads at teardown: 0" in proc.stdout, proc.stdout

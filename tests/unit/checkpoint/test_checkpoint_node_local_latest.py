@@ -19,60 +19,18 @@ import os
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 
+from unit.checkpoint.test_checkpoint_killed_save import full_weights as weights
+from unit.checkpoint.test_checkpoint_killed_save import initialize, train_step
 from unit.common import DistributedTest
-
-HIDDEN = 16
-
-
-class Model(torch.nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.linear(x), y)
 
 
 def make_engine(node_local, load_universal=False):
     if node_local:
         # Every rank is the first (and only) rank of a node of its own.
         os.environ["LOCAL_RANK"] = "0"
-    torch.manual_seed(0)
-    model = Model()
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "steps_per_print": 1000,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": 1
-        },
-        "checkpoint": {
-            "use_node_local_storage": node_local,
-            "load_universal": load_universal
-        },
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
-
-
-def train_step(engine):
-    generator = torch.Generator().manual_seed(engine.global_steps * dist.get_world_size() + dist.get_rank())
-    engine.backward(engine(torch.randn(2, HIDDEN, generator=generator), torch.randn(2, HIDDEN, generator=generator)))
-    engine.step()
-
-
-def weights(engine):
-    return {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    return initialize(1, node_local=node_local, load_universal=load_universal)
 
 
 def save_two_tags(save_dir, node_local):

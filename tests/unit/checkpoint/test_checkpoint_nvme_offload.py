@@ -27,6 +27,7 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.ops.op_builder import AsyncIOBuilder
 
+from unit.checkpoint.test_checkpoint_weights_only import assert_weights_equal, full_weights
 from unit.common import DistributedTest, get_master_port
 
 if not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]:
@@ -67,18 +68,6 @@ def train_step(engine):
     engine.step()
 
 
-def full_weights(engine):
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {name: param.detach().cpu().clone() for name, param in params.items()}
-
-
-def assert_weights(engine, expected):
-    actual = full_weights(engine)
-    for name, tensor in expected.items():
-        assert torch.equal(actual[name], tensor), name
-
-
 def swapped_states(engine):
     folder = engine.optimizer.optimizer_swapper.swap_folder
     states = {}
@@ -112,7 +101,7 @@ class TestNVMeOffloadedTensors(DistributedTest):
         assert swapped_states(engine) != states
 
         engine.load_checkpoint(str(tmpdir / "ckpt"))
-        assert_weights(engine, saved)
+        assert_weights_equal(engine, saved)
         # The fp32 weights and Adam's moments that the next step reads from NVMe are those saved.
         assert swapped_states(engine) == states
 
@@ -134,7 +123,7 @@ class TestNVMeOffloadedTensors(DistributedTest):
         dist.barrier()
         with pytest.raises(ValueError, match=f"{changed} \\(not the file that the tag's last save wrote"):
             engine.load_checkpoint(save_dir, tag="t1")
-        assert_weights(engine, weights)
+        assert_weights_equal(engine, weights)
 
         dist.barrier()
         if dist.get_rank() == 1:
@@ -142,7 +131,7 @@ class TestNVMeOffloadedTensors(DistributedTest):
         dist.barrier()
         with pytest.raises(ValueError, match=f"{changed} \\(missing\\)"):
             engine.load_checkpoint(save_dir, tag="t1")
-        assert_weights(engine, weights)
+        assert_weights_equal(engine, weights)
 
 
 class TestKilledNVMeOffloadSave(DistributedTest):
@@ -172,14 +161,14 @@ class TestKilledNVMeOffloadSave(DistributedTest):
 
         engine = initialize(tmpdir / "swap")
         engine.load_checkpoint(save_dir)
-        assert_weights(engine, torch.load(os.path.join(save_dir, "t1_weights.pt")))
+        assert_weights_equal(engine, torch.load(os.path.join(save_dir, "t1_weights.pt")))
         train_step(engine)
         weights = full_weights(engine)
         with pytest.raises(ValueError,
                            match=f"{os.path.join(save_dir, 't2', 'offloaded_tensors', 'rank00')} "
                            "\\(missing\\)"):
             engine.load_checkpoint(save_dir, tag="t2")
-        assert_weights(engine, weights)
+        assert_weights_equal(engine, weights)
 
 
 def die_while_copying_offloaded_tensors():

@@ -2,7 +2,7 @@
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
 ``python -m forktools prs`` (each topic as an upstream pull request),
-``python -m forktools readme [--check]`` (README.md's table of fixes and version label, from the series),
+``python -m forktools readme [--check]`` (README.md's version label and docs/topics.md's table of topics, from the series),
 ``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
 
 import argparse
@@ -52,8 +52,8 @@ def main(argv=None):
                             help="then run each fix topic's tests (or the named topics') on the pristine release "
                             "plus its dependencies, without it (they must fail) and with it (they must pass), and "
                             "write the result into its PR.md (slow: minutes per topic)")
-    rdm = commands.add_parser("readme", help="rewrite README.md's table of fixes and version label from the series")
-    rdm.add_argument("--check", action="store_true", help="write nothing; fail if README.md is out of date")
+    rdm = commands.add_parser("readme", help="rewrite README.md's version label and docs/topics.md's table of topics from the series")
+    rdm.add_argument("--check", action="store_true", help="write nothing; fail if either is out of date")
     ups = commands.add_parser("upstream-tests",
                               help="run upstream's own unit tests against the pinned release and the fork, "
                               "and print the test ids whose verdict differs")
@@ -98,10 +98,11 @@ def main(argv=None):
         elif args.command == "readme":
             stale = readme.update(REPO, check=args.check)
             if stale and args.check:
-                print(f"{readme.README} is out of date with the series: run python -m forktools readme",
+                print(f"{' and '.join(stale)} out of date with the series: run python -m forktools readme",
                       file=sys.stderr)
                 return 1
-            print(f"{readme.README} was out of date; rewritten" if stale else f"{readme.README} is up to date")
+            names = " and ".join(readme.GENERATED)
+            print(f"{' and '.join(stale)} out of date; rewritten" if stale else f"{names} up to date")
         elif args.command == "upstream-tests":
             workdir = make_workdir("deepspeed-fork-upstream-tests-")
             print(f"work directory: {workdir}", file=sys.stderr)

@@ -22,7 +22,7 @@ DEP3_FIELDS = ("Forwarded", "Applied-Upstream", "Bug", "Origin", "Last-Update")
 # (``Kind: fix`` or ``Kind: feature``), the topics its tests need first, and the tests that go with it.
 EXPORT_FIELDS = ("Topic", "Kind", "Depends-On", "Upstream-Tests")
 TOPIC_KINDS = ("fix", "feature")
-# The fork's own README: what the patch fixes, in the row of its table of fixes (python -m forktools readme).
+# The fork's own docs: what the patch fixes, in its row of docs/topics.md (python -m forktools readme).
 # A long value goes on over the lines after it that start with a space, as in any trailer.
 README_FIELDS = ("Summary", )
 FIELDS = DEP3_FIELDS + EXPORT_FIELDS + README_FIELDS

@@ -2,6 +2,7 @@
 tree, with patches applied, or as the base of a patch queue)."""
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -131,6 +132,17 @@ def fetch_sdist(pin, dest, explicit=None):
     return verify_sdist(pin, path)
 
 
+def _setuptools_prepares_metadata():
+    """Whether this interpreter's setuptools can prepare an sdist's wheel metadata: before 70.1 it needs the
+    ``wheel`` package for that, which a plain ``python3 -m venv`` of Python 3.11 does not have."""
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    if importlib.util.find_spec("wheel") is not None:
+        return True
+    version = importlib.metadata.version("setuptools").split(".")
+    return tuple(int(part) for part in version[:2] if part.isdigit()) >= (70, 1)
+
+
 def download_sdist(name, version, dest, hint, sha256=None):
     """Download ``name==version``'s sdist into ``dest`` with pip and return its path.
 
@@ -141,7 +153,7 @@ def download_sdist(name, version, dest, hint, sha256=None):
     dest = Path(dest)
     requirement, sdist_name = f"{name}=={version}", f"{name}-{version}.tar.gz"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check"]
-    if importlib.util.find_spec("setuptools") is not None:
+    if _setuptools_prepares_metadata():
         # pip prepares the sdist's metadata with the setuptools we already run under instead of
         # installing a second build environment (which needs the index again and fails offline).
         cmd.append("--no-build-isolation")
@@ -181,7 +193,15 @@ def unpack_sdist(pin, sdist, dest):
     dest = Path(dest)
     try:
         with tarfile.open(sdist) as tar:
-            tar.extractall(dest, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(dest, filter="data")
+            else:
+                # Python before 3.11.4 has no extraction filters: refuse what the "data" filter refuses.
+                for member in tar.getmembers():
+                    name = Path(member.name)
+                    if name.is_absolute() or ".." in name.parts or not (member.isfile() or member.isdir()):
+                        raise tarfile.TarError(f"{member.name} is not a plain file or folder inside the archive")
+                tar.extractall(dest)
     except (tarfile.TarError, OSError) as err:
         raise ForkError(f"{sdist}: cannot unpack the upstream sdist ({err})")
     tree = dest / f"{pin.name}-{pin.version}"

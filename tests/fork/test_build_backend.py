@@ -5,11 +5,13 @@
 """The in-tree build backend: pinned sdist + series -> wheel, and its refusals."""
 
 import os
+import shutil
 import re
 import subprocess
 import sys
 import tarfile
 import zipfile
+from pathlib import Path
 
 from conftest import pip_wheel, tree_files
 
@@ -172,3 +174,25 @@ def test_patch_leaving_the_sdist_copy_of_a_csrc_file_behind_is_refused(repo_copy
     assert f"patch {patch.name} changes csrc/" in proc.stdout, proc.stdout
     assert f"not the sdist's copy of it, {copies}" in proc.stdout
     assert not list((tmp_path / "out").glob("*.whl"))
+
+
+def test_tree_from_a_plain_venv(repo_copy, upstream_sdist, tmp_path):
+    """The maintainer commands work from ``python3 -m venv`` alone: its setuptools cannot prepare the sdist's
+    metadata without the ``wheel`` package, which such a venv lacks, so the download builds in isolation."""
+    venv = tmp_path / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    has_wheel = subprocess.run([python, "-c", "import wheel"], capture_output=True).returncode == 0
+    env = {key: value for key, value in os.environ.items() if key not in ("DS_FORK_SDIST", "PYTHONPATH")}
+    env["PIP_FIND_LINKS"] = str(upstream_sdist.parent)
+    proc = subprocess.run([python, "-m", "forktools", "tree"],
+                          cwd=repo_copy,
+                          env=env,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
+    assert not has_wheel, "the venv was to be without the wheel package"
+    assert proc.returncode == 0, proc.stdout
+    tree = proc.stdout.strip().splitlines()[-1]
+    assert (Path(tree) / "deepspeed" / "fork_info.py").is_file()
+    shutil.rmtree(Path(tree).parents[1])

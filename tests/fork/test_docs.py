@@ -3,9 +3,11 @@
 
 # DeepSpeed Team
 """The docs name what exists: topics of the series (never patch numbers, which move at every refresh), test
-files of this repository, and README.md's generated table of fixes and version label are those of the series."""
+files of this repository, and the generated parts (README.md's version label, docs/topics.md's table of topics)
+are those of the series; README.md opens with the quick start."""
 
 import re
+import shutil
 
 import pytest
 from conftest import REPO, forktools
@@ -84,20 +86,35 @@ def test_checks_find_what_they_look_for():
     assert file_references(text) == (["tests/unit/no_such_test.py"], ["test_nowhere.py"])
 
 
-def test_readme_table_and_version_label_are_those_of_the_series():
+def test_topics_table_and_version_label_are_those_of_the_series():
     proc = forktools(REPO, "readme", "--check")
     assert proc.returncode == 0, proc.stdout
-    readme = (REPO / "README.md").read_text()
+    table = (REPO / "docs" / "topics.md").read_text()
     for patch in read_series(REPO):
-        assert patch.dep3["Summary"] in readme, patch.name
+        assert patch.dep3["Summary"] in table, patch.name
+
+
+def test_topics_table_names_direct_dependencies():
+    table = (REPO / "docs" / "topics.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| `checkpoint-nvme-offload-record` |"))
+    depends_on = row.split(" | ")[2]
+    assert depends_on == ("`checkpoint-tag-manifest`, `checkpoint-crc32`, `checkpoint-reclaim-temps`, "
+                          "`checkpoint-crash-consistency`"), row
+
+
+def test_readme_is_short_and_opens_with_the_quick_start():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) <= 15 * 1024
+    assert "## Quick start" in "\n".join(readme.splitlines()[:80])
 
 
 def test_readme_check_fails_when_the_series_changed(repo_copy):
+    shutil.copytree(REPO / "docs", repo_copy / "docs")
     patch = read_series(repo_copy)[0]
     patch.path.write_text(patch.path.read_text().replace("Summary: ", "Summary: Newly worded: ", 1))
     proc = forktools(repo_copy, "readme", "--check")
-    assert proc.returncode == 1 and "README.md is out of date" in proc.stdout, proc.stdout
+    assert proc.returncode == 1 and "docs/topics.md out of date" in proc.stdout, proc.stdout
     proc = forktools(repo_copy, "readme")
     assert proc.returncode == 0, proc.stdout
-    assert "| Newly worded: " in (repo_copy / "README.md").read_text()
+    assert "| Newly worded: " in (repo_copy / "docs" / "topics.md").read_text()
     assert forktools(repo_copy, "readme", "--check").returncode == 0

@@ -2,14 +2,15 @@
 ``python -m forktools style`` (upstream's style gate on what the series adds or changes),
 ``python -m forktools refresh --to VERSION`` (replay the series onto a new upstream release),
 ``python -m forktools prs`` (each topic as an upstream pull request),
-``python -m forktools readme [--check]`` (README.md's version label and docs/topics.md's table of topics, from the series),
-``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork)."""
+``python -m forktools readme [--check]`` (README.md's version label and docs/topics.md's table, from the series),
+``python -m forktools upstream-tests --upstream PATH`` (upstream's unit tests, pristine release vs fork),
+``python -m forktools sizes`` (what the series adds to upstream's code)."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from forktools import ForkError, pq, prs, readme, style, upstream_tests
+from forktools import ForkError, pq, prs, readme, sizes, style, upstream_tests
 from forktools.backend import REPO, build_patched_tree
 from forktools.refresh import run as run_refresh
 from forktools.upstream import BASE_TAG, make_workdir
@@ -54,6 +55,10 @@ def main(argv=None):
                             "write the result into its PR.md (slow: minutes per topic)")
     rdm = commands.add_parser("readme", help="rewrite README.md's version label and docs/topics.md's table of topics from the series")
     rdm.add_argument("--check", action="store_true", help="write nothing; fail if either is out of date")
+    szs = commands.add_parser("sizes",
+                              help="what the series adds to upstream's code: engine.py's added lines, long functions, "
+                              "duplicated names, and README.md's size")
+    szs.add_argument("--dir", type=Path, default=pq.DEFAULT_QUEUE_DIR, help="the patch queue (default: %(default)s)")
     ups = commands.add_parser("upstream-tests",
                               help="run upstream's own unit tests against the pinned release and the fork, "
                               "and print the test ids whose verdict differs")
@@ -103,6 +108,9 @@ def main(argv=None):
                 return 1
             names = " and ".join(readme.GENERATED)
             print(f"{' and '.join(stale)} out of date; rewritten" if stale else f"{names} up to date")
+        elif args.command == "sizes":
+            print("\n".join(sizes.measure(REPO / args.dir)))
+            print(sizes.readme_lines((REPO / readme.README).read_text(encoding="utf-8")))
         elif args.command == "upstream-tests":
             workdir = make_workdir("deepspeed-fork-upstream-tests-")
             print(f"work directory: {workdir}", file=sys.stderr)

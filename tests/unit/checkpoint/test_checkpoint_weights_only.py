@@ -24,6 +24,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -238,3 +239,42 @@ class TestZeroToFp32WeightsOnlyFlag(DistributedTest):
         trusted = run("deepspeed.utils.zero_to_fp32", save_dir, os.path.join(save_dir, "fp32"), "--no_weights_only")
         assert trusted.returncode == 0, trusted.stdout
         assert os.path.exists(marker)
+
+
+class TestTrustedLoadInOneThread(DistributedTest):
+    world_size = 1
+
+    def test_other_threads_keep_the_check(self, tmpdir):
+        """A job resumes from its own checkpoint with "weights_only": false while another thread of
+        the process (an evaluation service, say) reads a downloaded checkpoint: that read is still
+        checked, and the payload of the downloaded checkpoint does not run."""
+        save_dir = str(tmpdir)
+        marker = os.path.join(save_dir, "payload_ran")
+        engine = initialize(zero_stage=2)
+        train_step(engine)
+        engine.save_checkpoint(save_dir, tag="own")
+        engine.save_checkpoint(save_dir, tag="downloaded")
+        plant_payload(os.path.join(save_dir, "downloaded"), rank_file_names(2)["optimizer"], marker)
+        saved = full_weights(engine)
+
+        other_reads = []
+
+        def read_downloaded():
+            try:
+                get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="downloaded")
+                other_reads.append("loaded")
+            except pickle.UnpicklingError as e:
+                other_reads.append(str(e))
+
+        def load_while_another_thread_reads(src, dst):
+            # load_checkpoint() calls this within the load that trusts its checkpoint.
+            reader = threading.Thread(target=read_downloaded)
+            reader.start()
+            reader.join()
+            dst.load_state_dict(src)
+
+        trusting = initialize(zero_stage=2, weights_only=False)
+        trusting.load_checkpoint(save_dir, tag="own", custom_load_fn=load_while_another_thread_reads)
+        assert len(other_reads) == 1 and "io.open" in other_reads[0], other_reads
+        assert not os.path.exists(marker)
+        assert_weights_equal(trusting, saved)

@@ -110,17 +110,17 @@ class TestReclaimBeforeWriting(DistributedTest):
         that reclaims a tag's temporaries cannot see the locks of other nodes' writers: no rank may
         write into the tag before the reclamation is done."""
         from deepspeed.checkpoint import utils
-        from deepspeed.runtime import engine as engine_module
         save_dir = str(tmpdir)
         engine = initialize(2)
         train_step(engine)
         engine.save_checkpoint(save_dir, tag="checkpoint")
         train_step(engine)
-        real_lock, real_reclaim, real_save = utils._lock, engine_module.remove_abandoned_temps, torch.save
+        real_lock, real_makedirs, real_save = utils._lock, engine.checkpoint_engine.makedirs, torch.save
 
-        def slow_reclaim(*args, **kwargs):
+        def slow_makedirs(*args, **kwargs):
+            # Rank 0 reclaims the tag's temporaries right after it makes sure the tag's folder exists.
             time.sleep(1)
-            real_reclaim(*args, **kwargs)
+            real_makedirs(*args, **kwargs)
 
         def slow_save(obj, f, *args, **kwargs):
             real_save(obj, f, *args, **kwargs)
@@ -128,13 +128,13 @@ class TestReclaimBeforeWriting(DistributedTest):
 
         if dist.get_rank() == 0:
             utils._lock = lambda fd, blocking: True  # every other writer's lock unseen
-            engine_module.remove_abandoned_temps = slow_reclaim
+            engine.checkpoint_engine.makedirs = slow_makedirs
         else:
             torch.save = slow_save
         try:
             engine.save_checkpoint(save_dir, tag="checkpoint")
         finally:
-            utils._lock, engine_module.remove_abandoned_temps, torch.save = real_lock, real_reclaim, real_save
+            utils._lock, engine.checkpoint_engine.makedirs, torch.save = real_lock, real_makedirs, real_save
         weights = full_weights(engine)
         fresh = initialize(2)
         fresh.load_checkpoint(save_dir)

@@ -298,19 +298,20 @@ def export_topics(repo, out_dir, sdist=None):
             if topic.test_updates:
                 (topic_dir / TEST_UPDATES_FILE).write_text(signed_test_updates(topic.test_updates, signer),
                                                            encoding="utf-8")
-        # Topics that depend on nothing must apply alone too, and a fix after only the topics it depends on.
+        # Topics that depend on nothing must apply alone too, and a fix after only the topics it depends on:
+        # each on the pristine release, which one repository returns to between them.
+        alone = release.queue(workdir / "alone")
         for topic in topics:
             needed = dependencies(topic, topics)
             if needed and (topic.kind != "fix" or len(needed) > 1):
                 continue
-            alone = release.queue(workdir / f"alone-{topic.name}")
+            run_git(["reset", "-q", "--hard", BASE_TAG], alone, repo_env(alone))
             for dep in needed + [topic]:
                 proc = apply_mailbox(alone, staging / dir_names[dep.name] / f"{dep.name}.mbox")
                 if proc.returncode != 0:
                     after = f" after {needed[0].name}" if needed else ""
                     raise ForkError(f"topic {topic.name} does not apply{after} alone on the pristine upstream "
                                     f"release:\n{proc.stdout.strip()}")
-            shutil.rmtree(alone)
         # Replace the output only when everything was made and checked.
         if out_dir.exists():
             shutil.rmtree(out_dir)

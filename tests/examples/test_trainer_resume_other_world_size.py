@@ -38,12 +38,27 @@ def deepspeed_launcher(num_ranks, *args, succeeds=True):
     return run(*launcher, "--master_port", str(get_master_port()), str(TRAIN), *args, succeeds=succeeds)
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """The output folder of a 2-rank run at a ZeRO stage, saved at step 2: run once for every resume of it."""
+    runs = {}
+
+    def saved(zero_stage):
+        if zero_stage not in runs:
+            runs[zero_stage] = tmp_path_factory.mktemp(f"zero{zero_stage}")
+            deepspeed_launcher(2, "--output_dir", runs[zero_stage], "--zero_stage", str(zero_stage), "--max_steps",
+                               "2")
+        return runs[zero_stage] / "checkpoint-2"
+
+    return saved
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_trainer_resumes_on_another_world_size(tmp_path, zero_stage):
+def test_trainer_resumes_on_another_world_size(tmp_path, saved_run, zero_stage):
     out = tmp_path / "out"
-    deepspeed_launcher(2, "--output_dir", out, "--zero_stage", str(zero_stage), "--max_steps", "2")
+    checkpoint = saved_run(zero_stage)
     log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", str(zero_stage), "--max_steps", "4",
-                             "--resume_from_checkpoint", out / "checkpoint-2", "--check_resumed_weights")
+                             "--resume_from_checkpoint", checkpoint, "--check_resumed_weights")
     assert "saved at data-parallel size 2 into data-parallel size 1" in log, log
     assert "resumed weights match" in log, log
     assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"
@@ -52,23 +67,21 @@ def test_trainer_resumes_on_another_world_size(tmp_path, zero_stage):
         return
 
     # The offline path, for what a load cannot reshard: the same resume from the converted checkpoint.
-    run(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-        out / "checkpoint-2" / "global_step2", "--output_folder", out / "checkpoint-2" / "global_step2_universal")
+    run(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", checkpoint / "global_step2",
+        "--output_folder", checkpoint / "global_step2_universal")
     offline = tmp_path / "offline"
     log = deepspeed_launcher(1, "--output_dir", offline, "--zero_stage", str(zero_stage), "--max_steps", "4",
-                             "--resume_from_checkpoint", out / "checkpoint-2", "--load_universal",
-                             "--check_resumed_weights")
+                             "--resume_from_checkpoint", checkpoint, "--load_universal", "--check_resumed_weights")
     assert "saved at data-parallel size" not in log, log
     assert "resumed weights match" in log, log
     assert (offline / "checkpoint-4" / "latest").read_text() == "global_step4"
 
 
-def test_trainer_resumes_at_another_zero_stage(tmp_path):
+def test_trainer_resumes_at_another_zero_stage(tmp_path, saved_run):
     # A ZeRO-2 run resumed with a ZeRO-3 config (to fit a longer context), on another number of ranks.
     out = tmp_path / "out"
-    deepspeed_launcher(2, "--output_dir", out, "--zero_stage", "2", "--max_steps", "2")
-    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "3", "--max_steps", "4", "--resume_from_checkpoint",
-                             out / "checkpoint-2", "--check_resumed_weights")
+    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "3", "--max_steps", "4",
+                             "--resume_from_checkpoint", saved_run(2), "--check_resumed_weights")
     assert "Loading ZeRO-2 checkpoint" in log and "into ZeRO-3 at data-parallel size 1" in log, log
     assert "resumed weights match" in log, log
     assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"
@@ -76,7 +89,7 @@ def test_trainer_resumes_at_another_zero_stage(tmp_path):
 
     # The same resume with another optimizer: refused, as the saved moments would not go on.
     other = tmp_path / "adagrad"
-    resume = ["--zero_stage", "3", "--max_steps", "4", "--resume_from_checkpoint", out / "checkpoint-2"]
+    resume = ["--zero_stage", "3", "--max_steps", "4", "--resume_from_checkpoint", saved_run(2)]
     log = deepspeed_launcher(1, "--output_dir", other, *resume, "--optim", "adagrad", succeeds=False)
     assert ("Cannot load the checkpoint's optimizer states into this Adagrad optimizer: for each element of parameter "
             "group 0 the checkpoint holds exp_avg, exp_avg_sq, and Adagrad keeps sum") in log, log
@@ -89,7 +102,8 @@ def test_trainer_saves_in_the_background_and_resumes(tmp_path):
     out = tmp_path / "out"
     deepspeed_launcher(2, "--output_dir", out, "--zero_stage", "2", "--max_steps", "2", "--async_save")
     assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
-    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "2", "--max_steps", "4", "--resume_from_checkpoint",
-                             out / "checkpoint-2", "--check_resumed_weights", "--async_save")
+    log = deepspeed_launcher(1, "--output_dir", out, "--zero_stage", "2", "--max_steps", "4",
+                             "--resume_from_checkpoint", out / "checkpoint-2", "--check_resumed_weights",
+                             "--async_save")
     assert "resumed weights match" in log, log
     assert (out / "checkpoint-4" / "latest").read_text() == "global_step4"

@@ -148,8 +148,12 @@ def test_export_without_a_git_identity_is_refused(repo_copy, upstream_sdist, tmp
 def test_independent_topics_apply_alone(exported, upstream_sdist, tmp_path):
     independent = [(topic, topic_dir) for topic, topic_dir in exported if not topic.depends_on]
     assert independent
-    for index, (topic, topic_dir) in enumerate(independent):
-        tree, env = pristine_repo(upstream_sdist, tmp_path / str(index))
+    tree, env = pristine_repo(upstream_sdist, tmp_path)
+    pristine = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, stdout=subprocess.PIPE, text=True,
+                              check=True).stdout.strip()
+    for topic, topic_dir in independent:
+        # Each alone on the pristine release, which the repository returns to between topics.
+        subprocess.run(["git", "reset", "-q", "--hard", pristine], cwd=tree, env=env, check=True)
         proc = git_am(tree, env, topic_dir / f"{topic.name}.mbox")
         assert proc.returncode == 0, f"{topic.name}: {proc.stdout}"
 

@@ -38,9 +38,9 @@ def traced_save(save_dir, fsync):
     trace = f"{save_dir}.strace"
     tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     command = [
-        "strace", "-f", "-qq", "-y", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2", "-o", trace,
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={get_master_port()}", __file__,
+        "strace", "-f", "--seccomp-bpf", "-qq", "-y", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2", "-o",
+        trace, sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={get_master_port()}", __file__,
         str(save_dir),
         str(fsync)
     ]

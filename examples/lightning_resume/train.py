@@ -17,7 +17,7 @@ import pathlib
 
 import pytorch_lightning as pl
 import torch
-from deepspeed.checkpoint.utils import omegaconf_safe_globals
+from deepspeed.checkpoint.weights_only import omegaconf_safe_globals
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DeepSpeedStrategy

@@ -16,7 +16,7 @@ import zipfile
 
 import torch
 
-from deepspeed.checkpoint.utils import checkpoint_crc32_problems
+from deepspeed.checkpoint.integrity import checkpoint_crc32_problems
 
 from unit.checkpoint.test_checkpoint_crc32 import flip_bit
 

@@ -31,7 +31,7 @@ import torch
 
 import deepspeed.comm as dist
 
-from deepspeed.checkpoint.utils import omegaconf_safe_globals
+from deepspeed.checkpoint.weights_only import omegaconf_safe_globals
 from unit.checkpoint.autotp_common import forget_saved_files
 from unit.checkpoint.test_checkpoint_weights_only import (Payload, assert_weights_equal, full_weights, initialize,
                                                           train_step)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from deepspeed.checkpoint.utils import atomic_write
+from deepspeed.checkpoint.durable import atomic_write
 import deepspeed.comm as dist
 
 from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize, train_step
@@ -31,7 +31,7 @@ from unit.common import DistributedTest
 
 KILLED_SAVE = """
 import os, signal, sys
-from deepspeed.checkpoint.utils import atomic_write
+from deepspeed.checkpoint.durable import atomic_write
 rank_file, latest = sys.argv[1:]
 
 def write_latest(temp):
@@ -109,13 +109,13 @@ class TestReclaimBeforeWriting(DistributedTest):
         """Where ``flock`` is local to a node (NFS mounted ``nolock``, Lustre ``localflock``), the rank
         that reclaims a tag's temporaries cannot see the locks of other nodes' writers: no rank may
         write into the tag before the reclamation is done."""
-        from deepspeed.checkpoint import utils
+        from deepspeed.checkpoint import durable
         save_dir = str(tmpdir)
         engine = initialize(2)
         train_step(engine)
         engine.save_checkpoint(save_dir, tag="checkpoint")
         train_step(engine)
-        real_lock, real_makedirs, real_save = utils._lock, engine.checkpoint_engine.makedirs, torch.save
+        real_lock, real_makedirs, real_save = durable._lock, engine.checkpoint_engine.makedirs, torch.save
 
         def slow_makedirs(*args, **kwargs):
             # Rank 0 reclaims the tag's temporaries right after it makes sure the tag's folder exists.
@@ -127,14 +127,14 @@ class TestReclaimBeforeWriting(DistributedTest):
             time.sleep(2)
 
         if dist.get_rank() == 0:
-            utils._lock = lambda fd, blocking: True  # every other writer's lock unseen
+            durable._lock = lambda fd, blocking: True  # every other writer's lock unseen
             engine.checkpoint_engine.makedirs = slow_makedirs
         else:
             torch.save = slow_save
         try:
             engine.save_checkpoint(save_dir, tag="checkpoint")
         finally:
-            utils._lock, engine.checkpoint_engine.makedirs, torch.save = real_lock, real_makedirs, real_save
+            durable._lock, engine.checkpoint_engine.makedirs, torch.save = real_lock, real_makedirs, real_save
         weights = full_weights(engine)
         fresh = initialize(2)
         fresh.load_checkpoint(save_dir)

@@ -14,7 +14,8 @@ save is committed the tag holds its files alone.
 
 import os
 
-from deepspeed.checkpoint.utils import checkpoint_file_problems, load_checkpoint_file
+from deepspeed.checkpoint.integrity import checkpoint_file_problems
+from deepspeed.checkpoint.utils import load_checkpoint_file
 from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo, TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.tag_commit import CheckpointStorage, begin_save, commit_save
 

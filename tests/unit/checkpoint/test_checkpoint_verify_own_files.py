@@ -13,7 +13,7 @@ rank's model states file to verify it: M times the model states it loads.
 import os
 
 import deepspeed.comm as dist
-from deepspeed.checkpoint import utils
+from deepspeed.checkpoint import integrity
 
 from unit.checkpoint.autotp_common import initialize, train_engine
 from unit.common import DistributedTest
@@ -30,18 +30,18 @@ class TestVerifyOwnFiles(DistributedTest):
         engine.save_checkpoint(save_dir, tag="step1")
         engine.destroy()
 
-        verified, real_crc32_problems = [], utils._crc32_problems
+        verified, real_crc32_problems = [], integrity._crc32_problems
 
         def crc32_problems(path):
             verified.append(os.path.basename(path))
             return real_crc32_problems(path)
 
         fresh = initialize(2, tp_size=2)
-        utils._crc32_problems = crc32_problems
+        integrity._crc32_problems = crc32_problems
         try:
             fresh.load_checkpoint(save_dir, tag="step1")
         finally:
-            utils._crc32_problems = real_crc32_problems
+            integrity._crc32_problems = real_crc32_problems
         rank = dist.get_rank()
         loads = [f"mp_rank_0{rank}_model_states.pt", f"zero_pp_rank_0_mp_rank_0{rank}_optim_states.pt"]
         assert sorted(verified) == sorted(loads), verified

@@ -22,7 +22,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES
-from deepspeed.checkpoint.utils import find_rank_files
+from deepspeed.checkpoint.rank_files import find_rank_files
 from deepspeed.checkpoint.zero_layout import zero3_rank_fragments, zero_rank_fragments
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

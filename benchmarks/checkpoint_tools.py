@@ -121,6 +121,11 @@ LLAMA = {
         "autotp": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, vocab_size=4096),
         "zero3": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=4096),
     },
+    # A checkpoint that the page cache holds beside the loading job on a 24 GB machine.
+    "medium": {
+        "autotp": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=6, vocab_size=16000),
+        "zero3": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, vocab_size=16000),
+    },
     "full": {
         "autotp": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, vocab_size=32000),
         "zero3": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, vocab_size=32000),

@@ -272,7 +272,8 @@ def yapf_problems(files, cwd):
     # One yapf per core, each on a share of the files (largest first): yapf takes most of the gate's
     # time, and its own --parallel lets the workers' diffs interleave on stdout.
     paths = sorted(by_path, key=lambda path: -Path(path).stat().st_size)
-    shares = [paths[i::os.cpu_count() or 1] for i in range(min(os.cpu_count() or 1, len(paths)))]
+    workers = min(os.cpu_count() or 1, len(paths))
+    shares = [paths[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(len(shares)) as pool:
         diffs = pool.map(lambda share: _run_tool("yapf", ["--style", YAPF_STYLE, "--diff", *share], cwd, (0, 1)),
                          shares)

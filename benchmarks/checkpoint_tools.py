@@ -611,6 +611,9 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
         return [sys.executable, "-c", "import deepspeed"]
     if tool == "cp -r":
         return ["cp", "-r", str(checkpoint_dir), str(output_dir)]
+    if tool == "cp -r + sync":
+        # The offline tools flush what they write; cp does not.
+        return ["sh", "-c", 'cp -r "$0" "$1" && sync', str(checkpoint_dir), str(output_dir)]
     if tool == "ds_verify_checkpoint":
         return [sys.executable, "-m", "deepspeed.checkpoint.verify_checkpoint", str(checkpoint_dir)] + list(flags)
     flags = list(flags)
@@ -741,7 +744,7 @@ def summarize(runs):
 
 
 def table_row(kind, meta, tool, variant, summary, cp_seconds):
-    label = tool if tool == "cp -r" else f"`{tool}`"
+    label = tool if tool.startswith("cp -r") else f"`{tool}`"
     if tool == "ds_to_universal" and summary.get("inject_missing_state"):
         label += " `--inject_missing_state`"
     head = f"| {kind} | {label} | {variant} |"
@@ -942,6 +945,11 @@ def main():
             sys.exit(f"cp -r failed: {cp['error']}")
         entry["tools"]["cp -r"] = {"-": dict(cp, all=cp_runs)}
         print(table_row(kind, meta, "cp -r", "-", cp, cp["seconds"]), flush=True)
+        if {"zero_to_fp32", "ds_to_universal"} & set(tools):
+            synced_runs = [timed("cp -r + sync", "-", None, False, r) for r in range(args.repeats)]
+            synced = summarize(synced_runs)
+            entry["tools"]["cp -r + sync"] = {"-": dict(synced, all=synced_runs)}
+            print(table_row(kind, meta, "cp -r + sync", "-", synced, cp["seconds"]), flush=True)
         for tool in tools:
             # The command is the fork's own: upstream has none, and it has no option to compare.
             tool_variants = [v for v in variants if v == "fork"] if tool == "ds_verify_checkpoint" else variants

@@ -43,6 +43,11 @@ runs them:
 * ``save_checkpoint`` (``--tools save_checkpoint``): a training job of the checkpoint's topology
   that trains one step and saves with ``engine.save_checkpoint(OUTPUT_DIR)``; the time is that of
   ``save_checkpoint`` alone (slowest rank);
+* ``save_and_train`` (``--tools save_and_train``): a training job of the checkpoint's topology
+  that trains one step, times ``STEPS`` steps, saves, and times ``STEPS`` steps again: how long
+  ``save_checkpoint`` blocks (``save_s``), how much longer the steps after it take than those
+  before (``steps_slower_s``), how long ``wait_for_async_save()`` then waits for a background save
+  (``drain_s``), and their sum, what the save costs the run (``cost_s``; slowest rank each);
 * ``ds_verify_checkpoint`` (``--tools ds_verify_checkpoint``, the fork only): ``python -m
   deepspeed.checkpoint.verify_checkpoint CHECKPOINT_DIR``, which checks every file of every tag
   and the CRC-32 of every record;
@@ -97,20 +102,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("zero_to_fp32", "ds_to_universal", "load_checkpoint", "load_resharded", "load_other_stage", "load_universal",
-         "save_checkpoint", "ds_verify_checkpoint")
+         "save_checkpoint", "save_and_train", "ds_verify_checkpoint")
+SAVE_TOOLS = ("save_checkpoint", "save_and_train")
 LOAD_TOOLS = ("load_checkpoint", "load_resharded", "load_other_stage", "load_universal")
 # fork-trusting: the fork with its weights_only check off (``--no_weights_only``,
 # ``"checkpoint": {"weights_only": false}``), which loads as the fork did before the check.
 # fork-no-fsync: the fork without its fsync()s (``--no_fsync``, ``"checkpoint": {"fsync": false}``).
 # fork-unverified: the fork without its CRC-32 check (``--no_verify_crc32``, ``"checkpoint": {"verify_crc32": false}``).
 # fork-async: save_checkpoint in the background (``"checkpoint": {"async_save": true}``).
+# fork-async-overlap: the same, and the steps do not wait for it (``"async_save_wait": "save"``).
 # fork-base: the fork from the tree ``--base-tree`` names (the series before a change), beside ``fork``.
-VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync", "fork-unverified", "fork-async", "fork-base")
+VARIANTS = ("upstream", "fork", "fork-trusting", "fork-no-fsync", "fork-unverified", "fork-async", "fork-async-overlap",
+            "fork-base")
 VARIANT_FLAGS = {
     "fork-trusting": ["--no_weights_only"],
     "fork-no-fsync": ["--no_fsync"],
     "fork-unverified": ["--no_verify_crc32"],
-    "fork-async": ["--async_save"]
+    "fork-async": ["--async_save"],
+    "fork-async-overlap": ["--async_save", "--async_save_wait", "save"]
 }
 DEFAULT_VARIANTS = ("upstream", "fork")
 SEQ_LEN = 16
@@ -359,38 +368,15 @@ def save_worker(kind, scale, save_dir, fsync, async_save=False):
     (``durable_s``: the call and the background writes); the second save reuses the first one's host
     buffers, as every save of a run after its first does. No step runs between the saves: one would
     need the memory of a step beside the host copy, more than this machine's 24 GB at world size 2."""
-    import torch
     import deepspeed.comm as dist
 
-    checkpoint_config = {}
-    if not fsync:
-        checkpoint_config["fsync"] = False
-    if async_save:
-        checkpoint_config["async_save"] = True
-    engine, _ = build_engine(kind, scale, checkpoint_config or None)
-    generator = torch.Generator().manual_seed(dist.get_rank() // CHECKPOINTS[kind][3])
-    ids = torch.randint(0, engine.module.config.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
-
-    def train_step():
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
+    engine, train_step = saving_job(kind, scale, fsync, async_save)
     train_step()
     times = {}
     if not async_save:
         for key in ("save_s", "resave_s"):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.save_checkpoint(save_dir, tag="step1")
-            times[key] = time.perf_counter() - start
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, times)
-        log_memory("saved")
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps({key: max(rank_times[key] for rank_times in gathered)
-                                          for key in times}),
-                  flush=True)
-        dist.destroy_process_group()
+            times[key] = timed(lambda: engine.save_checkpoint(save_dir, tag="step1"))
+        report_slowest_times(times, "saved")
         return
     for tag in ("step1", "step2"):
         dist.barrier()
@@ -407,6 +393,83 @@ def save_worker(kind, scale, save_dir, fsync, async_save=False):
                    for tag in ("step2", "step1") for index, key in enumerate(("save_s", "durable_s"))}
         print("RESULT " + json.dumps(slowest), flush=True)
     dist.destroy_process_group()
+
+
+STEPS = 3
+
+
+def saving_job(kind, scale, fsync, async_save, async_save_wait=None):
+    """One rank's engine of a training job of the checkpoint ``kind``'s topology that saves with these
+    settings, and a function that trains it one step."""
+    import torch
+    import deepspeed.comm as dist
+
+    checkpoint_config = {}
+    if not fsync:
+        checkpoint_config["fsync"] = False
+    if async_save:
+        checkpoint_config["async_save"] = True
+    if async_save_wait:
+        checkpoint_config["async_save_wait"] = async_save_wait
+    engine, _ = build_engine(kind, scale, checkpoint_config or None)
+    generator = torch.Generator().manual_seed(dist.get_rank() // CHECKPOINTS[kind][3])
+    ids = torch.randint(0, engine.module.config.vocab_size, (1, SEQ_LEN), generator=generator).to(engine.device)
+
+    def train_step():
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    return engine, train_step
+
+
+def timed(call):
+    """The wall time of ``call()`` on this rank, from a barrier of every rank."""
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def report_slowest_times(times, phase):
+    """Rank 0 prints the slowest rank's of each of ``times`` (``{key: seconds}``). Ends the job."""
+    import deepspeed.comm as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    log_memory(phase)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({key: max(rank_times[key] for rank_times in gathered)
+                                      for key in times}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+def save_and_train_worker(kind, scale, save_dir, fsync, async_save=False, async_save_wait=None):
+    """One rank of a training job that trains one step, then ``STEPS`` steps (timed), saves (timed),
+    and trains ``STEPS`` steps again (timed); prints the times of the module docstring's
+    ``save_and_train``, the slowest rank's, and the time of one step (``step_s``)."""
+    engine, train_step = saving_job(kind, scale, fsync, async_save, async_save_wait)
+
+    def train_steps():
+        for _ in range(STEPS):
+            train_step()
+
+    train_step()
+    steps_before = timed(train_steps)
+    save = timed(lambda: engine.save_checkpoint(save_dir, tag="step"))
+    steps_after = timed(train_steps)
+    # 0.19.8 has no background save to wait for.
+    drain = timed(getattr(engine, "wait_for_async_save", lambda: None))
+    report_slowest_times(
+        {
+            "cost_s": save + steps_after - steps_before + drain,
+            "save_s": save,
+            "steps_slower_s": steps_after - steps_before,
+            "drain_s": drain,
+            "step_s": steps_before / STEPS,
+        }, "saved")
 
 
 def du(path):
@@ -619,12 +682,12 @@ def tool_command(tool, script, checkpoint_dir, output_dir, inject, flags=()):
     flags = list(flags)
     if tool == "zero_to_fp32":
         return [sys.executable, str(script), str(checkpoint_dir), str(output_dir)] + flags
-    if tool in LOAD_TOOLS or tool == "save_checkpoint":
+    if tool in LOAD_TOOLS or tool in SAVE_TOOLS:
         kind, scale = checkpoint_dir.name, checkpoint_dir.parent.name
         world_size = CHECKPOINTS[kind][2]
         job = ["--load", kind, "--save-dir", str(checkpoint_dir)]
-        if tool == "save_checkpoint":
-            job = ["--save", kind, "--save-dir", str(output_dir)]
+        if tool in SAVE_TOOLS:
+            job = ["--save" if tool == "save_checkpoint" else "--save-and-train", kind, "--save-dir", str(output_dir)]
         if tool in ("load_resharded", "load_universal"):
             world_size = reshard_world_size(kind)
             job += ["--load-world-size", str(world_size)]
@@ -693,12 +756,12 @@ def run_tool(tool, variant, tree, checkpoint_dir, runs_dir, ext_dir, inject, rep
         script = runs_dir / "scripts" / build / "zero_to_fp32.py"
         script.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tree / "deepspeed" / "utils" / "zero_to_fp32.py", script)
-    if tool in LOAD_TOOLS or tool == "save_checkpoint":
+    if tool in LOAD_TOOLS or tool in SAVE_TOOLS:
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # as when the checkpoint was created
     cmd = tool_command(tool, script, checkpoint_dir, output_dir, inject, VARIANT_FLAGS.get(variant, ()))
     result = run_measured(cmd, env, scratch, log_file)
     for line in Path(log_file).read_text(errors="replace").splitlines():
-        if line.startswith("RESULT ") and (tool in LOAD_TOOLS or tool == "save_checkpoint"):
+        if line.startswith("RESULT ") and (tool in LOAD_TOOLS or tool in SAVE_TOOLS):
             # The time of the call alone; the job's (engine initialization included) is kept.
             result["job_seconds"] = result["seconds"]
             reported = json.loads(line[len("RESULT "):])
@@ -792,6 +855,8 @@ def main():
     parser.add_argument("--create", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
     parser.add_argument("--load", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
     parser.add_argument("--save", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--save-and-train", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--async_save_wait", help=argparse.SUPPRESS)
     parser.add_argument("--no_weights_only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no_fsync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no_verify_crc32", action="store_true", help=argparse.SUPPRESS)
@@ -820,6 +885,14 @@ def main():
         return
     if args.save:
         save_worker(args.save, args.scale, args.save_dir, fsync=not args.no_fsync, async_save=args.async_save)
+        return
+    if args.save_and_train:
+        save_and_train_worker(args.save_and_train,
+                              args.scale,
+                              args.save_dir,
+                              fsync=not args.no_fsync,
+                              async_save=args.async_save,
+                              async_save_wait=args.async_save_wait)
         return
     if args.measure:
         print("MEASURE " + json.dumps(measure(args.command, Path(args.scratch), args.log)), flush=True)
@@ -876,6 +949,7 @@ def main():
     built_description["fork-no-fsync"] = built_description["fork"] + ", fsync off"
     built_description["fork-unverified"] = built_description["fork"] + ", CRC-32 check off"
     built_description["fork-async"] = built_description["fork"] + ", async_save on"
+    built_description["fork-async-overlap"] = built_description["fork-async"] + ", async_save_wait save"
     built_description["fork-base"] = args.base_tree
 
     results = {
@@ -971,6 +1045,12 @@ def main():
                 summary = summarize(runs[variant])
                 entry["tools"][tool][variant] = dict(summary, all=runs[variant])
                 print(table_row(kind, meta, tool, variant, summary, cp["seconds"]), flush=True)
+                if tool == "save_and_train" and "error" not in summary:
+                    ok = [run for run in runs[variant] if "error" not in run]
+                    print(f"| {kind} | `{tool}` | {variant} | " + ", ".join(
+                        f"{key} {median_of(ok, key):.2f}"
+                        for key in ("cost_s", "save_s", "steps_slower_s", "drain_s", "step_s")) + " | | | | | |",
+                          flush=True)
         resident = [r for r in entry["page_cache_resident"] if r is not None]
         if resident:
             print(

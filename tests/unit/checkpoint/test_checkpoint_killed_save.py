@@ -177,14 +177,17 @@ def die_while_writing_optimizer_states():
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
-        if "optim_states.pt" not in os.fspath(f):
+        # f: a path, or a file opened for writing.
+        path = os.fspath(getattr(f, "name", f))
+        if "optim_states.pt" not in path:
             return real_save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         real_save(obj, buffer, *args, **kwargs)
         time.sleep(2)
-        with open(f, "wb") as out:
+        with open(path, "ab") as out:
+            out.truncate(0)
             out.write(buffer.getbuffer()[:buffer.tell() // 2])
-        say(f"rank 1: killed while writing {f}")
+        say(f"rank 1: killed while writing {path}")
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save

@@ -12,7 +12,8 @@ at exit, before the teardown, and leaves a process group that the script created
 A destroy alone does not stop the worker threads of the groups that Python objects still hold: a ZeRO-3
 engine, its optimizer and its parameters hold groups and the script holds the engine until the teardown.
 The exit handler drops DeepSpeed's references to them, so that every gloo worker thread is joined before
-the teardown.
+the teardown, also where the script created the process group and destroys it itself (accelerate's
+``PartialState`` creates it for the HF Trainer on CPU).
 """
 
 import os
@@ -51,7 +52,7 @@ dist.barrier()
 # A ZeRO-3 job that ends holding its engine, as scripts and the HF Trainer do. Linux names each thread
 # in /proc/self/task: torch's gloo worker threads are "pt_gloo_runloop", gloo's transport's "gloo_tcp_loop".
 ZERO3_JOB = """
-import atexit, os
+import atexit, os, sys
 import torch
 import deepspeed
 import deepspeed.comm as dist
@@ -65,6 +66,11 @@ def at_exit():
 
 
 atexit.register(at_exit)
+if sys.argv[-1] == "script":
+    # As accelerate does for the HF Trainer on CPU, after transformers imported torch.distributed.nn (its
+    # functions keep the default group of the moment it is imported as their default argument).
+    import torch.distributed.nn
+    torch.distributed.init_process_group("gloo")
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -79,6 +85,8 @@ for _ in range(2):
     engine.backward(engine(torch.randn(2, 16)).sum())
     engine.step()
 print(f"rank {rank}: gloo threads at the end of the script: {gloo_threads()}")
+if sys.argv[-1] == "script":
+    torch.distributed.destroy_process_group()
 """
 
 
@@ -103,8 +111,9 @@ def test_process_group_destroyed_at_exit_by_its_creator(tmpdir, created_by, aliv
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the threads in /proc/self/task")
-def test_zero3_engine_gloo_threads_joined_at_exit(tmpdir):
-    proc = run_job(tmpdir, "deepspeed", job=ZERO3_JOB)
+@pytest.mark.parametrize("created_by", ["deepspeed", "script"])
+def test_zero3_engine_gloo_threads_joined_at_exit(tmpdir, created_by):
+    proc = run_job(tmpdir, created_by, job=ZERO3_JOB)
     assert proc.returncode == 0, proc.stdout
     for rank in range(2):
         assert f"rank {rank}: gloo threads at the end of the script: 0" not in proc.stdout, proc.stdout

@@ -609,6 +609,11 @@ def pss_bytes(pid):
     return pss["Pss:"], pss["Pss_Anon:"]
 
 
+# Set by --no-pss for the measuring wrapper: reading a process's smaps_rollup takes the lock that its
+# page faults take, so sampling PSS slows a job that copies a checkpoint out of a memory map.
+NO_PSS_ENV = "CHECKPOINT_TOOLS_NO_PSS"
+
+
 def measure(cmd, scratch, log_file):
     """Run ``cmd`` (the --measure wrapper side): time, peak tree PSS, peak disk under ``scratch``."""
     env = dict(os.environ, TMPDIR=str(scratch))
@@ -617,11 +622,12 @@ def measure(cmd, scratch, log_file):
     free_before = statvfs.f_bavail * statvfs.f_frsize
     min_free = free_before
     done = threading.Event()
+    sample_pss = not os.environ.get(NO_PSS_ENV)
 
     def sample(pid):
         nonlocal min_free
         while not done.is_set():
-            tree = [pss_bytes(p) for p in process_tree(pid)]
+            tree = [pss_bytes(p) for p in process_tree(pid)] if sample_pss else []
             peak["pss"] = max(peak["pss"], sum(pss for pss, _ in tree))
             peak["pss_anon"] = max(peak["pss_anon"], sum(anon for _, anon in tree))
             peak["disk"] = max(peak["disk"], du(scratch))
@@ -850,6 +856,9 @@ def main():
     parser.add_argument("--create-only",
                         action="store_true",
                         help="create (or check) the checkpoints, measure nothing")
+    parser.add_argument("--no-pss",
+                        action="store_true",
+                        help="do not sample PSS (the tables show 0): sampling it slows loads through a memory map")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--work-dir", default=str(REPO / "build" / "bench-checkpoint-tools"))
     parser.add_argument("--create", choices=sorted(CHECKPOINTS), help=argparse.SUPPRESS)
@@ -870,6 +879,8 @@ def main():
     parser.add_argument("--log", help=argparse.SUPPRESS)
     parser.add_argument("command", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.no_pss:
+        os.environ[NO_PSS_ENV] = "1"
     if args.create:
         create_worker(args.create, args.scale, args.save_dir)
         return

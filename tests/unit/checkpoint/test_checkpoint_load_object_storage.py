@@ -13,11 +13,13 @@ URL: the weights are those saved, and its next step gives the weights of the ste
 bit flipped in an object is refused on every rank, naming the object, with the weights unchanged. A
 1-rank job loads the ZeRO-3 checkpoint of the 2 ranks from the objects as well.
 
-Credentials in ``storage_options`` are refused, without repeating them: DeepSpeed logs its config and
-saves it in every checkpoint.
+A wrong endpoint is refused, naming it, where it would otherwise look like a folder without a
+checkpoint, from which the job would start afresh. Credentials in ``storage_options`` are refused,
+without repeating them: DeepSpeed logs its config and saves it in every checkpoint.
 """
 
 import os
+import socket
 
 import pytest
 import torch
@@ -132,3 +134,30 @@ def test_credentials_in_the_config_are_refused():
         DeepSpeedConfig(config)
     assert "storage_options holds credentials (key, secret)" in str(refusal.value), refusal.value
     assert secret not in str(refusal.value) and "AKIA" not in str(refusal.value)
+
+
+class TestLoadFromUnreachableObjectStorage(DistributedTest):
+    world_size = 1
+    reuse_dist_env = True
+
+    def test_wrong_endpoint_is_refused(self, s3_endpoint):
+        from unit.checkpoint.s3_server import s3_environment
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            # Nothing listens there.
+            wrong_endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with s3_environment(s3_endpoint):
+            engine = initialize(3,
+                                storage_options={
+                                    "endpoint_url": wrong_endpoint,
+                                    "config_kwargs": {
+                                        "retries": {
+                                            "max_attempts": 1
+                                        }
+                                    }
+                                })
+            weights = full_weights(engine)
+            with pytest.raises(Exception) as refusal:
+                engine.load_checkpoint(run_url(s3_endpoint, 3))
+            assert f'Could not connect to the endpoint URL: "{wrong_endpoint}/' in str(refusal.value), refusal.value
+            assert_weights_equal(engine, weights)

@@ -29,6 +29,7 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
 from unit.checkpoint.test_checkpoint_crc32 import flip_bit
 from unit.checkpoint.test_checkpoint_killed_save import full_weights, initialize, train_step
+from unit.checkpoint.test_checkpoint_weights_only import assert_weights_equal
 from unit.common import DistributedTest
 
 # The s3_endpoint fixture (its helpers are imported where they run, in the ranks: a plugin module is
@@ -39,13 +40,6 @@ pytest_plugins = ["unit.checkpoint.s3_server"]
 def run_url(s3_endpoint, stage):
     # One bucket for the session's server: the 1-rank job loads what the 2-rank job uploaded.
     return f"s3://resume-{s3_endpoint.rsplit(':', 1)[1]}-stage{stage}/run"
-
-
-def assert_weights_equal(engine, expected):
-    actual = full_weights(engine)
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        assert torch.equal(actual[name], expected[name]), name
 
 
 @pytest.mark.parametrize("stage", [2, 3])

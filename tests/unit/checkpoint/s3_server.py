@@ -18,12 +18,9 @@ import uuid
 import pytest
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """The URL of a real S3 API server on 127.0.0.1 (moto's server mode) that runs while the session's
-    tests run."""
-    pytest.importorskip("s3fs", reason="checkpoints on object storage need s3fs")
-    pytest.importorskip("moto.server", reason="the S3 API server of the tests is moto's: pip install 'moto[server]'")
+@contextlib.contextmanager
+def s3_server():
+    """Run moto's S3 API server on a free port of 127.0.0.1 while in this context; yields its URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -32,17 +29,30 @@ def s3_endpoint():
                               stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "the S3 API server did not start"
-            time.sleep(0.1)
-    yield endpoint
-    server.terminate()
-    server.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the S3 API server did not start")
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """The URL of a real S3 API server on 127.0.0.1 (moto's server mode) that runs while the session's
+    tests run."""
+    pytest.importorskip("s3fs", reason="checkpoints on object storage need s3fs")
+    pytest.importorskip("moto.server", reason="the S3 API server of the tests is moto's: pip install 'moto[server]'")
+    with s3_server() as endpoint:
+        yield endpoint
 
 
 @contextlib.contextmanager
